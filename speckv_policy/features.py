@@ -1,0 +1,273 @@
+"""Feature computation: ONE module for run time and for offline logs.
+
+At run time a hook calls :func:`draft_token_stats` on the draft's processed
+next-token distribution (numpy array or torch tensor) and keeps an
+:class:`OnlineFeatureState` per sequence. Offline, :func:`features_from_log`
+replays the logged steps through the very same state class, so a policy sees
+identical definitions during training and serving.
+
+Module level imports numpy only; torch and pandas are imported lazily where a
+caller hands them in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .schema import (
+    ACCEPT_DECAY,
+    ACCEPT_PRIOR,
+    ONLINE,
+    PAPER,
+    FeatureSet,
+    compression_code,
+    get_feature_set,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+LN2 = math.log(2.0)
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def draft_token_stats(probs: Any) -> tuple[Any, Any]:
+    """Top-1 probability and entropy (nats) of next-token distributions.
+
+    Parameters
+    ----------
+    probs : array-like or torch.Tensor of shape (..., vocab)
+        Probabilities (already processed by temperature / top-k / top-p, the
+        way the verifier sees them). Rows need not be perfectly normalised;
+        they are renormalised.
+
+    Returns
+    -------
+    confidence, entropy : same type as ``probs``, shape (...)
+        Top-1 probability and Shannon entropy in nats.
+    """
+    if _is_torch(probs):
+        p = probs.detach().float()
+        p = p / p.sum(-1, keepdim=True)
+        conf = p.max(-1).values
+        logp = p.clamp_min(1e-30).log()
+        ent = -(p * logp).sum(-1).clamp_min(0.0)
+        return conf, ent
+    p = np.asarray(probs, dtype=np.float64)
+    p = p / p.sum(axis=-1, keepdims=True)
+    conf = p.max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ent = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(axis=-1)
+    return conf, np.maximum(ent, 0.0)
+
+
+def draft_token_stats_from_logits(logits: Any) -> tuple[Any, Any]:
+    """Like :func:`draft_token_stats` but from (processed) logits.
+
+    ``-inf`` entries (tokens removed by top-k / top-p) are handled exactly.
+    """
+    if _is_torch(logits):
+        z = logits.detach().float()
+        p = z.softmax(-1)
+        return draft_token_stats(p)
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return draft_token_stats(e / e.sum(axis=-1, keepdims=True))
+
+
+class OnlineFeatureState:
+    """Per-sequence state behind the ``online`` feature set.
+
+    Parameters
+    ----------
+    compression : str
+        Target compression name (``fp16``, ``bf16``, ``fp32``, ``int8``, ``nf4``).
+    temperature : float, default=0.0
+        Sampling temperature; 0 for greedy decoding.
+
+    Notes
+    -----
+    The acceptance features are per-token rates, so they mean the same thing
+    whatever gamma produced them: a step that drafted ``g`` tokens and accepted
+    ``n`` contributes ``n`` acceptances and ``1`` rejection when ``n < g``.
+    Steps that drafted nothing (gamma 0) leave the state unchanged.
+    """
+
+    __slots__ = ("code", "temperature", "prev_rate", "ema_acc", "ema_rej")
+
+    def __init__(self, compression: str, temperature: float = 0.0) -> None:
+        self.code = compression_code(compression)
+        if not (temperature >= 0.0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {temperature!r}")
+        self.temperature = float(temperature)
+        self.prev_rate = ACCEPT_PRIOR
+        self.ema_acc = 0.0
+        self.ema_rej = 0.0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Record the outcome of a step that drafted ``drafted`` tokens."""
+        if drafted <= 0:
+            return
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted must be in [0, {drafted}], got {accepted}")
+        rejected = 1.0 if accepted < drafted else 0.0
+        self.prev_rate = accepted / (accepted + rejected)
+        self.ema_acc = ACCEPT_DECAY * self.ema_acc + accepted
+        self.ema_rej = ACCEPT_DECAY * self.ema_rej + rejected
+
+    @property
+    def ema_rate(self) -> float:
+        """Beta(1, 1)-smoothed acceptance rate from the decayed counts."""
+        return (self.ema_acc + 1.0) / (self.ema_acc + self.ema_rej + 2.0)
+
+    def features(
+        self, conf_first: float, entropy_first: float, context_len: int
+    ) -> np.ndarray:
+        """Feature vector (``online`` set, float32) for the step about to be drafted."""
+        return np.array(
+            [
+                conf_first,
+                entropy_first,
+                self.code,
+                self.prev_rate,
+                self.ema_rate,
+                math.log1p(context_len),
+                self.temperature,
+            ],
+            dtype=np.float32,
+        )
+
+
+def paper_features(
+    confidences: Sequence[float] | np.ndarray,
+    entropies_nats: Sequence[float] | np.ndarray,
+    compression: str,
+) -> np.ndarray:
+    """The published MLP16 inputs for one step's draft tokens (``paper`` set).
+
+    Parameters
+    ----------
+    confidences, entropies_nats : sequence of float
+        Per draft token top-1 probability and entropy (nats), at least one.
+    compression : str
+        Compression name.
+    """
+    c = np.asarray(confidences, dtype=np.float64)
+    h = np.asarray(entropies_nats, dtype=np.float64) / LN2
+    if c.size == 0 or c.shape != h.shape:
+        raise ValueError("paper features need >= 1 draft token with matching confidence/entropy")
+    return np.array(
+        [h.mean(), c.mean(), h.max(), c.min(), compression_code(compression)], dtype=np.float32
+    )
+
+
+def as_feature_matrix(features: Any, feature_set: FeatureSet | str) -> np.ndarray:
+    """Order features by ``feature_set`` and return float32 ``(n, F)``.
+
+    Accepts a mapping of name to value (one row), a pandas DataFrame (columns
+    selected and ordered by name), or an array whose columns already follow
+    the feature set.
+
+    Raises
+    ------
+    ValueError
+        When a named feature is missing or an array has the wrong width.
+    """
+    fs = get_feature_set(feature_set) if isinstance(feature_set, str) else feature_set
+    if isinstance(features, Mapping):
+        missing = [n for n in fs.names if n not in features]
+        if missing:
+            raise ValueError(f"missing features for set {fs.name!r}: {', '.join(missing)}")
+        return np.asarray([[features[n] for n in fs.names]], dtype=np.float32)
+    if hasattr(features, "columns"):
+        missing = [n for n in fs.names if n not in features.columns]
+        if missing:
+            raise ValueError(
+                f"missing feature columns for set {fs.name!r}: {', '.join(missing)} "
+                f"(got columns: {', '.join(map(str, features.columns))})"
+            )
+        return np.asarray(features[list(fs.names)], dtype=np.float32)
+    arr = np.asarray(features, dtype=np.float32)
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.ndim != 2 or arr.shape[1] != fs.n_features:
+        raise ValueError(
+            f"feature array has shape {arr.shape}; feature set {fs.name!r} expects "
+            f"(n, {fs.n_features}) with columns {', '.join(fs.names)}"
+        )
+    return arr
+
+
+def features_from_log(
+    log: "pd.DataFrame", feature_set: str = "online"
+) -> tuple["pd.DataFrame", np.ndarray, np.ndarray]:
+    """Compute a feature matrix and censored labels from a validated step log.
+
+    Parameters
+    ----------
+    log : pandas.DataFrame
+        Rows in the step-log schema (see :mod:`speckv_policy.logs`).
+    feature_set : {'online', 'paper'}
+        Which feature set to compute.
+
+    Returns
+    -------
+    X : pandas.DataFrame
+        One row per usable step, columns named and ordered by the feature set;
+        indexed like ``log`` (steps that drafted nothing are dropped: they have
+        no draft distribution to describe).
+    accepted : ndarray of int64
+        Accepted prefix length per row.
+    drafted : ndarray of int64
+        Gamma drafted per row (the censoring point of ``accepted``).
+    """
+    import pandas as pd
+
+    fs = get_feature_set(feature_set)
+    order = log.sort_values(["run_id", "prompt_id", "step"], kind="stable")
+    rows: list[np.ndarray] = []
+    index: list[Any] = []
+    if fs is ONLINE:
+        state: OnlineFeatureState | None = None
+        key = None
+        for idx, r in zip(order.index, order.itertuples(index=False)):
+            k = (r.run_id, r.prompt_id)
+            if k != key:
+                temp = float(r.temperature) if r.decoding == "sampling" else 0.0
+                state = OnlineFeatureState(r.compression, temp)
+                key = k
+            assert state is not None
+            if r.gamma > 0:
+                rows.append(
+                    state.features(
+                        float(r.draft_confidence[0]), float(r.draft_entropy[0]), int(r.context_len)
+                    )
+                )
+                index.append(idx)
+            state.update(int(r.gamma), int(r.accepted))
+    elif fs is PAPER:
+        for idx, r in zip(order.index, order.itertuples(index=False)):
+            if r.gamma > 0:
+                rows.append(paper_features(r.draft_confidence, r.draft_entropy, r.compression))
+                index.append(idx)
+    else:  # pragma: no cover - every registered set is handled above
+        raise ValueError(f"no log recipe for feature set {fs.name!r}")
+    X = pd.DataFrame(
+        np.vstack(rows) if rows else np.empty((0, fs.n_features), np.float32),
+        columns=list(fs.names),
+        index=pd.Index(index),
+    )
+    used = order.loc[index] if index else order.iloc[:0]
+    return (
+        X,
+        used["accepted"].to_numpy(np.int64),
+        used["gamma"].to_numpy(np.int64),
+    )

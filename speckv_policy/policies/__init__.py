@@ -1,0 +1,27 @@
+"""Gamma policies: scikit-learn estimators that pick a draft length per step."""
+
+from .base import GammaPolicy, objective_scorer, training_data
+from .baselines import FixedGammaPolicy, PaperMLP16Policy
+from .gbt import GBTPolicy
+from .mlp import MLPPolicy
+from .table import TablePolicy
+
+POLICIES = {
+    "mlp": MLPPolicy,
+    "gbt": GBTPolicy,
+    "table": TablePolicy,
+    "fixed": FixedGammaPolicy,
+    "paper-mlp16": PaperMLP16Policy,
+}
+
+__all__ = [
+    "GammaPolicy",
+    "MLPPolicy",
+    "GBTPolicy",
+    "TablePolicy",
+    "FixedGammaPolicy",
+    "PaperMLP16Policy",
+    "POLICIES",
+    "objective_scorer",
+    "training_data",
+]
