@@ -58,7 +58,7 @@ def draft_token_stats(probs: Any) -> tuple[Any, Any]:
         p = p / p.sum(-1, keepdim=True)
         conf = p.max(-1).values
         logp = p.clamp_min(1e-30).log()
-        ent = -(p * logp).sum(-1).clamp_min(0.0)
+        ent = (-(p * logp).sum(-1)).clamp_min(0.0)
         return conf, ent
     p = np.asarray(probs, dtype=np.float64)
     p = p / p.sum(axis=-1, keepdims=True)

@@ -94,7 +94,8 @@ class GammaPolicy:
                     f"X lacks feature columns of set {fs.name!r}: {', '.join(missing)}; "
                     f"expected columns {', '.join(fs.names)}"
                 )
-            X = X[list(fs.names)]
+            # the schema, not sklearn's name check, governs column order
+            X = X[list(fs.names)].to_numpy()
         X = validate_data(self, X, reset=reset, dtype=np.float64, ensure_all_finite=True)
         if fs is not None and X.shape[1] != fs.n_features:
             raise ValueError(
@@ -112,9 +113,14 @@ class GammaPolicy:
 
     @staticmethod
     def _split_targets(y: Any, n_rows: int, max_gamma: int) -> tuple[np.ndarray, np.ndarray]:
+        if y is None:
+            raise ValueError(
+                "a gamma policy requires y to be passed, but the target y is None "
+                "(y holds accepted prefix lengths)"
+            )
         y = np.asarray(y)
         if y.dtype.kind not in "iuf":
-            raise ValueError(f"y must be numeric accepted lengths, got dtype {y.dtype}")
+            raise ValueError(f"Unknown label type: y must be numeric accepted lengths, got dtype {y.dtype}")
         y = y.astype(np.float64)
         if y.ndim == 2 and y.shape[1] == 1:
             y = y[:, 0]
@@ -161,6 +167,11 @@ class GammaPolicy:
         self.max_gamma_ = int(candidates.max())
         self.cost_model_ = self.cost_model if self.cost_model is not None else CostModel.relative()
         self.feature_set_ = self.feature_set
+        self.feature_names_ = (
+            get_feature_set(self.feature_set).names
+            if self.feature_set is not None
+            else tuple(getattr(self, "feature_names_in_", [f"x{i}" for i in range(Xv.shape[1])]))
+        )
         h = hashlib.sha256()
         for a in (Xv.astype(np.float32), accepted, drafted):
             h.update(np.ascontiguousarray(a).tobytes())

@@ -210,8 +210,10 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
         policy.cost_model_ = policy.cost_model if policy.cost_model is not None else CostModel.relative()
         policy.feature_set_ = policy.feature_set
         policy.n_features_in_ = n_in - 1
-        if policy.feature_set is not None:
-            policy.feature_names_in_ = np.asarray(get_feature_set(policy.feature_set).names, dtype=object)
+        policy.feature_names_ = (
+            get_feature_set(policy.feature_set).names if policy.feature_set is not None
+            else tuple(f"x{i}" for i in range(n_in - 1))
+        )
         policy.training_fingerprint_ = "npz:" + os.path.basename(str(path))
         policy.n_training_rows_ = 0
         return policy

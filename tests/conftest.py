@@ -1,0 +1,90 @@
+"""Shared fixtures: a SYNTHETIC log with known truth, and policies fitted on it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speckv_policy.logs import validate_log
+from speckv_policy.objective import CostModel
+from speckv_policy.policies import (
+    FixedGammaPolicy,
+    GBTPolicy,
+    MLPPolicy,
+    PaperMLP16Policy,
+    TablePolicy,
+    training_data,
+)
+from speckv_policy.synthetic import generate_synthetic_log
+
+
+@pytest.fixture(scope="session")
+def synthetic():
+    """(log, true alpha per row): 80 prompts x 3 compressions x 30 steps = 7,200 rows."""
+    log, alpha = generate_synthetic_log(n_prompts=80, steps_per_prompt=30, seed=1)
+    return validate_log(log), alpha
+
+
+@pytest.fixture(scope="session")
+def cost_model(synthetic):
+    return CostModel.fit(synthetic[0])
+
+
+@pytest.fixture(scope="session")
+def online_data(synthetic):
+    log, _ = synthetic
+    return training_data(log, "online", "train"), training_data(log, "online", "heldout")
+
+
+@pytest.fixture(scope="session")
+def paper_data(synthetic):
+    log, _ = synthetic
+    return training_data(log, "paper", "train"), training_data(log, "paper", "heldout")
+
+
+POLICY_FACTORIES = {
+    "mlp": lambda cm: MLPPolicy(cost_model=cm),
+    "gbt": lambda cm: GBTPolicy(cost_model=cm),
+    "table": lambda cm: TablePolicy(cost_model=cm),
+    "fixed": lambda cm: FixedGammaPolicy(gamma=4, cost_model=cm),
+    "paper-mlp16": lambda cm: PaperMLP16Policy(cost_model=cm),
+}
+
+
+@pytest.fixture(scope="session")
+def fitted(online_data, paper_data, cost_model):
+    """Every policy kind fitted on the synthetic training split."""
+    out = {}
+    for name, make in POLICY_FACTORIES.items():
+        (Xtr, ytr), _ = paper_data if name == "paper-mlp16" else online_data
+        out[name] = make(cost_model).fit(Xtr, ytr)
+    return out
+
+
+@pytest.fixture(scope="session")
+def heldout(online_data, paper_data):
+    return {"online": online_data[1], "paper": paper_data[1]}
+
+
+def edge_rows(feature_set_names: tuple[str, ...], rng: np.random.Generator) -> np.ndarray:
+    """Rows at and beyond the edges of every feature's range."""
+    rows = []
+    for code in (-1.0, 0.0, 0.4, 0.6, 1.0, 1.5, 2.0, 3.0, 7.0):
+        for lo in (True, False):
+            r = {}
+            for n in feature_set_names:
+                if n == "compression_code":
+                    r[n] = code
+                elif "conf" in n or "rate" in n:
+                    r[n] = 0.0 if lo else 1.0
+                elif "entropy" in n:
+                    r[n] = 0.0 if lo else 15.0
+                elif n == "log_context_len":
+                    r[n] = 0.0 if lo else 12.0
+                elif n == "temperature":
+                    r[n] = 0.0 if lo else 2.0
+                else:
+                    r[n] = 0.0 if lo else 1.0
+            rows.append([r[n] for n in feature_set_names])
+    rows += (rng.normal(0, 50, size=(20, len(feature_set_names)))).tolist()
+    return np.asarray(rows, dtype=np.float32)

@@ -1,0 +1,94 @@
+"""One feature module for run time (numpy/torch) and for logs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from speckv_policy.features import (
+    OnlineFeatureState,
+    as_feature_matrix,
+    draft_token_stats,
+    draft_token_stats_from_logits,
+    features_from_log,
+    paper_features,
+)
+from speckv_policy.schema import ONLINE, PAPER, compression_code, get_feature_set
+
+
+def test_token_stats_hand_values():
+    conf, ent = draft_token_stats(np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]))
+    np.testing.assert_allclose(conf, [0.5, 1.0])
+    np.testing.assert_allclose(ent, [math.log(2), 0.0], atol=1e-12)
+
+
+def test_token_stats_torch_equals_numpy_and_logits():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 50)) * 3
+    logits[0, :10] = -np.inf  # top-k filtered tokens
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    c_np, h_np = draft_token_stats(p)
+    c_t, h_t = draft_token_stats(torch.tensor(p))
+    c_l, h_l = draft_token_stats_from_logits(torch.tensor(logits))
+    c_ln, h_ln = draft_token_stats_from_logits(logits)
+    for c, h in ((c_t.numpy(), h_t.numpy()), (c_l.numpy(), h_l.numpy()), (c_ln, h_ln)):
+        np.testing.assert_allclose(c, c_np, rtol=1e-5)
+        np.testing.assert_allclose(h, h_np, rtol=1e-5, atol=1e-6)
+
+
+def test_online_state_hand_computed():
+    s = OnlineFeatureState("int8", temperature=0.7)
+    f0 = s.features(0.9, 0.3, context_len=9)
+    np.testing.assert_allclose(f0, [0.9, 0.3, 1, 0.5, 0.5, math.log(10), 0.7], rtol=1e-6)
+    s.update(drafted=4, accepted=2)  # 2 accepts, 1 rejection
+    assert s.prev_rate == pytest.approx(2 / 3)
+    assert s.ema_rate == pytest.approx((2 + 1) / (3 + 2))
+    s.update(drafted=0, accepted=0)  # plain step: no information
+    assert s.prev_rate == pytest.approx(2 / 3)
+    s.update(drafted=3, accepted=3)  # all accepted: no rejection
+    assert s.prev_rate == 1.0
+    acc, rej = 0.8 * 2 + 3, 0.8 * 1
+    assert s.ema_rate == pytest.approx((acc + 1) / (acc + rej + 2))
+    with pytest.raises(ValueError, match="accepted must be in"):
+        s.update(2, 3)
+    with pytest.raises(ValueError, match="unknown compression 'int4'"):
+        OnlineFeatureState("int4")
+
+
+def test_paper_features_hand_computed():
+    f = paper_features([0.9, 0.5], [math.log(2), 2 * math.log(2)], "nf4")
+    np.testing.assert_allclose(f, [1.5, 0.7, 2.0, 0.5, 2], rtol=1e-6)
+
+
+def test_features_from_log_replays_the_runtime_state(synthetic):
+    log, _ = synthetic
+    X, acc, drafted = features_from_log(log, "online")
+    assert list(X.columns) == list(ONLINE.names)
+    # replay one sequence by hand with the runtime class
+    seq = log[(log.run_id == log.run_id.iloc[0]) & (log.prompt_id == log.prompt_id.iloc[0])].sort_values("step")
+    temp = float(seq.temperature.iloc[0]) if seq.decoding.iloc[0] == "sampling" else 0.0
+    state = OnlineFeatureState(seq.compression.iloc[0], temp)
+    for idx, r in seq.iterrows():
+        if r.gamma > 0:
+            np.testing.assert_array_equal(
+                X.loc[idx].to_numpy(np.float32),
+                state.features(r.draft_confidence[0], r.draft_entropy[0], r.context_len),
+            )
+        state.update(r.gamma, r.accepted)
+    assert (acc <= drafted).all() and len(X) == int((log.gamma > 0).sum())
+    Xp, _, _ = features_from_log(log, "paper")
+    assert list(Xp.columns) == list(PAPER.names)
+
+
+def test_as_feature_matrix_errors():
+    with pytest.raises(ValueError, match="missing features for set 'online': temperature"):
+        as_feature_matrix({n: 0.0 for n in ONLINE.names if n != "temperature"}, "online")
+    with pytest.raises(ValueError, match=r"expects \(n, 7\)"):
+        as_feature_matrix(np.zeros(5), ONLINE)
+    with pytest.raises(ValueError, match="unknown feature set 'foo'"):
+        get_feature_set("foo")
+    assert compression_code("bf16") == 0 and compression_code("nf4") == 2

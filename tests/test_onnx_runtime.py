@@ -1,0 +1,185 @@
+"""ONNX export parity, metadata, the runtime policy and its failure modes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+from speckv_policy.export import build_onnx, export_onnx
+from speckv_policy.runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
+from speckv_policy.schema import ONLINE, get_feature_set
+
+from .conftest import edge_rows
+
+NAMES = ["mlp", "gbt", "table", "fixed", "paper-mlp16"]
+
+
+@pytest.fixture(scope="module")
+def exported(fitted, tmp_path_factory):
+    d = tmp_path_factory.mktemp("onnx")
+    return {n: (export_onnx(fitted[n], d / f"{n}.onnx"), d / f"{n}.onnx") for n in NAMES}
+
+
+def _rows(name, heldout):
+    fs = get_feature_set("paper" if name == "paper-mlp16" else "online")
+    X, _ = heldout[fs.name]
+    edges = edge_rows(fs.names, np.random.default_rng(0))
+    return np.vstack([X.to_numpy(np.float32), edges]), len(edges)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_onnx_matches_python(name, fitted, exported, heldout):
+    policy = fitted[name]
+    model, path = exported[name]
+    onnx.checker.check_model(model, full_check=True)
+    X, n_edge = _rows(name, heldout)
+    assert X.shape[0] - n_edge >= 1000
+    rt = RuntimePolicy(path)
+    out = rt.expected_values(X)
+    py = policy.expected_values(X)
+    np.testing.assert_allclose(out["values"], py["objective"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out["expected_tokens"], py["tokens_per_step"], rtol=1e-4, atol=1e-4)
+    same = out["gamma"] == policy.predict(X)
+    if not same.all():  # only float32-vs-float64 near-ties may differ
+        top2 = np.sort(py["objective"], axis=1)[:, -2:]
+        gap = (top2[:, 1] - top2[:, 0]) / np.abs(top2[:, 1])
+        assert (gap[~same] < 1e-5).all(), "ONNX and Python disagree away from a tie"
+    assert same.mean() >= 0.999
+    # the single-row path gives the same answers
+    for i in range(0, X.shape[0], 97):
+        assert rt.decide(X[i]) == out["gamma"][i]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_metadata_describes_the_policy(name, fitted, exported):
+    model, _ = exported[name]
+    meta = {p.key: p.value for p in model.metadata_props}
+    p = fitted[name]
+    fs = get_feature_set(p.feature_set_)
+    assert json.loads(meta["speckv.feature_names"]) == list(fs.names)
+    assert meta["speckv.feature_set"] == fs.name
+    assert json.loads(meta["speckv.candidates"]) == p.candidates_.tolist()
+    assert meta["speckv.objective"] == p.objective
+    assert json.loads(meta["speckv.cost_model"])["verify_base_ms"] == list(p.cost_model_.verify_base_ms)
+    assert meta["speckv.training_fingerprint"] == p.training_fingerprint_
+    assert json.loads(meta["speckv.compression_codes"])["nf4"] == 2
+    assert "speckv.package_version" in meta
+
+
+def test_export_refuses_generic_feature_set():
+    from speckv_policy.policies import TablePolicy
+
+    p = TablePolicy(feature_set=None).fit(np.random.rand(50, 3), np.arange(50) % 5)
+    with pytest.raises(ValueError, match="named feature_set"):
+        build_onnx(p)
+
+
+def test_truncated_file(exported, tmp_path):
+    _, path = exported["gbt"]
+    bad = tmp_path / "truncated.onnx"
+    bad.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(PolicyLoadError, match="truncated.onnx: not a loadable ONNX model"):
+        RuntimePolicy(bad)
+    with pytest.warns(PolicyFallbackWarning, match="fallback gamma 3"):
+        rt = RuntimePolicy(bad, fallback_gamma=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise
+        assert rt.decide(np.zeros(7, np.float32)) == 3
+        assert rt.decide([0.5] * 7) == 3
+    with pytest.raises(PolicyLoadError, match="no such policy file"):
+        RuntimePolicy(tmp_path / "missing.onnx")
+
+
+def _with_meta(model, tmp_path, **changes):
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for prop in m.metadata_props:
+        if prop.key in changes:
+            prop.value = changes[prop.key]
+    path = tmp_path / "tampered.onnx"
+    path.write_bytes(m.SerializeToString())
+    return path
+
+
+def test_feature_order_mismatch(exported, tmp_path):
+    model, _ = exported["mlp"]
+    names = list(ONLINE.names)
+    names[0], names[1] = names[1], names[0]
+    path = _with_meta(model, tmp_path, **{"speckv.feature_names": json.dumps(names)})
+    with pytest.raises(PolicyLoadError, match="feature schema mismatch for set 'online'"):
+        RuntimePolicy(path)
+    path = _with_meta(model, tmp_path, **{"speckv.feature_schema_version": "99"})
+    with pytest.raises(PolicyLoadError, match="v99"):
+        RuntimePolicy(path)
+    path = _with_meta(model, tmp_path, **{"speckv.feature_set": "mystery"})
+    with pytest.raises(PolicyLoadError, match="unknown feature set 'mystery'"):
+        RuntimePolicy(path)
+
+
+def test_foreign_onnx_model(tmp_path):
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    path = tmp_path / "foreign.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with pytest.raises(PolicyLoadError, match="not a speckv-policy export"):
+        RuntimePolicy(path)
+
+
+def test_nan_features_error_or_single_warning(exported):
+    _, path = exported["table"]
+    rt = RuntimePolicy(path)
+    x = np.full(7, 0.5, np.float32)
+    x[3] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        rt.decide(x)
+    with pytest.raises(ValueError, match="non-finite feature values .* in: prev_accept_rate"):
+        rt.decide_batch(x[None, :])
+    safe = RuntimePolicy(path, fallback_gamma=1)
+    with pytest.warns(PolicyFallbackWarning) as rec:
+        assert safe.decide(x) == 1
+        assert safe.decide(np.array([np.inf] * 7)) == 1
+        assert safe.decide({"conf_first": 0.5}) == 1  # missing features
+    assert len(rec) == 1
+    assert safe.decide(np.full(7, 0.5, np.float32)) in rt.candidates  # still decides good input
+
+
+def test_runtime_decide_accepts_mappings(exported, heldout):
+    _, path = exported["gbt"]
+    rt = RuntimePolicy(path)
+    X, _ = heldout["online"]
+    row = X.iloc[0]
+    assert rt.decide(row.to_dict()) == rt.decide(row.to_numpy(np.float32)) == rt.decide(list(row))
+    with pytest.raises(ValueError, match="one step's features"):
+        rt.decide(X.to_numpy(np.float32)[:2])
+
+
+def test_cuda_request_without_provider(exported):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA provider present: covered by benchmarks/gpu_check.sh")
+    with pytest.raises(PolicyLoadError, match="CUDA was requested"):
+        RuntimePolicy(exported["gbt"][1], providers="cuda")
+    assert RuntimePolicy(exported["gbt"][1]).provider == "CPUExecutionProvider"
+
+
+def test_runtime_imports_neither_sklearn_nor_torch(exported):
+    code = (
+        "import sys, numpy as np\n"
+        "from speckv_policy.runtime import RuntimePolicy\n"
+        f"rt = RuntimePolicy({str(exported['mlp'][1])!r})\n"
+        "rt.decide(np.full(7, 0.5, np.float32))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'torch', 'pandas', 'skl2onnx', 'pyarrow'))\n"
+        "print(bad)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
