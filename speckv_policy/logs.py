@@ -215,6 +215,15 @@ def atomic_write_bytes(path: str | os.PathLike[str], write: Any) -> None:
     os.close(fd)
     try:
         write(tmp)
+        # mkstemp creates 0600; give the file the mode a plain open() would
+        # (or keep the mode of the file being replaced)
+        if path.exists():
+            mode = path.stat().st_mode & 0o777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -51,6 +51,18 @@ def _check_candidates(candidates: Sequence[int]) -> np.ndarray:
     return np.sort(c).astype(np.int64)
 
 
+def data_fingerprint(X: Any, accepted: Any, drafted: Any) -> str:
+    """Short SHA-256 of training data (float32 features, int64 outcomes).
+
+    Written into every export so a model can be traced to the rows it saw.
+    """
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(np.asarray(X, dtype=np.float32)).tobytes())
+    for a in (accepted, drafted):
+        h.update(np.ascontiguousarray(np.asarray(a, dtype=np.int64)).tobytes())
+    return h.hexdigest()[:16]
+
+
 class GammaPolicy:
     """Base class: choose gamma per step by an objective over candidates.
 
@@ -172,10 +184,7 @@ class GammaPolicy:
             if self.feature_set is not None
             else tuple(getattr(self, "feature_names_in_", [f"x{i}" for i in range(Xv.shape[1])]))
         )
-        h = hashlib.sha256()
-        for a in (Xv.astype(np.float32), accepted, drafted):
-            h.update(np.ascontiguousarray(a).tobytes())
-        self.training_fingerprint_ = h.hexdigest()[:16]
+        self.training_fingerprint_ = data_fingerprint(Xv, accepted, drafted)
         self.n_training_rows_ = int(Xv.shape[0])
         self._fit(Xv, accepted, drafted)
         return self

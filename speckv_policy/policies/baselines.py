@@ -191,11 +191,11 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
 
         policy = cls(**params)
         policy._validate_params()
-        try:
-            with np.load(path) as z:
-                arrays = {k: np.asarray(z[k], dtype=np.float64) for k in ("W1", "b1", "W2", "b2")}
-        except KeyError as exc:
-            raise ValueError(f"{path}: npz lacks array {exc.args[0]!r}; expected W1, b1, W2, b2") from None
+        with np.load(path) as z:
+            missing = [k for k in ("W1", "b1", "W2", "b2") if k not in z.files]
+            if missing:
+                raise ValueError(f"{path}: npz lacks array {missing[0]!r}; expected W1, b1, W2, b2")
+            arrays = {k: np.asarray(z[k], dtype=np.float64) for k in ("W1", "b1", "W2", "b2")}
         W1, b1, W2, b2 = (arrays[k] for k in ("W1", "b1", "W2", "b2"))
         n_in = get_feature_set(policy.feature_set).n_features + 1 if policy.feature_set else W1.shape[0]
         H = W1.shape[1] if W1.ndim == 2 else -1

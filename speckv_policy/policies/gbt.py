@@ -45,11 +45,11 @@ class GBTPolicy(GammaPolicy, BaseEstimator):
         Step-time model; ``None`` means :meth:`CostModel.relative`.
     feature_set : {'online', 'paper'} or None, default='online'
         Feature schema of ``X``.
-    max_iter : int, default=150
+    max_iter : int, default=100
         Boosting iterations.
     learning_rate : float, default=0.1
         Shrinkage.
-    max_leaf_nodes : int, default=15
+    max_leaf_nodes : int, default=8
         Leaves per tree.
     min_samples_leaf : int, default=40
         Minimum expanded rows per leaf.
@@ -83,9 +83,9 @@ class GBTPolicy(GammaPolicy, BaseEstimator):
         objective: str = "tokens_per_second",
         cost_model: Any = None,
         feature_set: str | None = "online",
-        max_iter: int = 150,
+        max_iter: int = 100,
         learning_rate: float = 0.1,
-        max_leaf_nodes: int = 15,
+        max_leaf_nodes: int = 8,
         min_samples_leaf: int = 40,
         l2_regularization: float = 1.0,
         random_state: Any = 0,
