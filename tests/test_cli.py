@@ -122,3 +122,13 @@ def test_synthetic_module_cli(tmp_path, capsys):
     out = tmp_path / "s.csv"
     assert synthetic.main([str(out), "--prompts", "5", "--steps", "4"]) == 0
     assert len(read_log(out)) == 5 * 3 * 4
+
+
+def test_docs_cover_the_schemas():
+    from speckv_policy.logs import COLUMNS
+    from speckv_policy.schema import FEATURE_SETS
+
+    schema_doc = (ROOT / "docs" / "log_schema.md").read_text()
+    assert all(f"`{c}`" in schema_doc for c in COLUMNS)
+    feature_doc = (ROOT / "docs" / "features.md").read_text()
+    assert all(f"`{n}`" in feature_doc for fs in FEATURE_SETS.values() for n in fs.names)

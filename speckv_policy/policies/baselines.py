@@ -161,6 +161,7 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             reg.fit(Xe, ye)
+        self.regressor_ = reg  # the scikit-learn model itself, as the paper ran it
         self.coefs_ = [w.copy() for w in reg.coefs_]
         self.intercepts_ = [b.copy() for b in reg.intercepts_]
 
