@@ -47,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from speckv_policy.policies import training_data
     from speckv_policy.runtime import RuntimePolicy
-    from speckv_policy.training import fit_from_log, load_log, make_policy
+    from speckv_policy.logs import read_log
+    from speckv_policy.training import fit_from_log, make_policy
 
-    log = load_log(args.log)
+    log = read_log(args.log)
     rows = {fs: training_data(log, fs, split="heldout")[0].to_numpy(np.float32) for fs in ("online", "paper")}
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"Python {platform.python_version()}, onnxruntime {ort.__version__}, scikit-learn {sklearn.__version__}")

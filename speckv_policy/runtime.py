@@ -108,6 +108,7 @@ class RuntimePolicy:
         self.candidates = np.empty(0, np.int64)
         self.feature_set: FeatureSet | None = None
         self.provider = "none"
+        self._x: np.ndarray | None = None
         try:
             self._load(providers, intra_op_num_threads)
         except (PolicyLoadError, OSError) as exc:
@@ -210,6 +211,8 @@ class RuntimePolicy:
             A gamma from :attr:`candidates` (or the fallback gamma).
         """
         try:
+            if self._x is None:
+                raise PolicyLoadError(f"{self.path}: policy is not loaded ({self.load_error})")
             if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:
                 if not np.isfinite(features).all():
                     raise ValueError("non-finite feature values (NaN or inf)")

@@ -9,7 +9,7 @@ import joblib
 import numpy as np
 import pandas as pd
 
-from .logs import atomic_write_bytes, read_log
+from .logs import atomic_write_bytes
 from .objective import CostModel, realized_throughput
 from .policies import POLICIES, GammaPolicy, training_data
 from .policies.base import _check_candidates
@@ -41,11 +41,6 @@ def make_policy(
     elif candidates is not None:
         params["candidates"] = tuple(int(c) for c in _check_candidates(candidates))
     return POLICIES[kind](**params)
-
-
-def load_log(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """Read and validate a log (alias of :func:`speckv_policy.logs.read_log`)."""
-    return read_log(path)
 
 
 def fit_from_log(policy: GammaPolicy, log: pd.DataFrame, split: str | None = "train") -> GammaPolicy:

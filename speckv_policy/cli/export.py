@@ -57,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     from ..logs import LogValidationError
     from ..objective import CostModel
     from ..runtime import RuntimePolicy
-    from ..training import (fit_from_log, load_log, load_saved_policy, make_policy, offline_summary,
+    from ..training import (fit_from_log, load_saved_policy, make_policy, offline_summary,
                             save_policy)
 
     t0 = time.perf_counter()
     log = None
     try:
         if args.train:
-            log = load_log(args.train)
+            log = read_log(args.train)
             cm = (CostModel.fit(log, device=args.device, decision_draft_tokens=args.decision_draft_tokens)
                   if args.cost_model == "fit" else
                   CostModel.relative(decision_draft_tokens=args.decision_draft_tokens))

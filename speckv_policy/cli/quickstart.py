@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..objective import CostModel
     from ..policies import training_data
     from ..runtime import RuntimePolicy
-    from ..training import fit_from_log, load_log, make_policy, offline_summary
+    from ..logs import read_log
+    from ..training import fit_from_log, make_policy, offline_summary
 
     try:
-        log = load_log(args.log)
+        log = read_log(args.log)
     except (LogValidationError, FileNotFoundError) as exc:
         print(f"speckv-quickstart: error: {exc}", file=sys.stderr)
         return 2
