@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ..export import export_onnx
-    from ..logs import LogValidationError
+    from ..logs import LogValidationError, read_log
     from ..objective import CostModel
     from ..runtime import RuntimePolicy
     from ..training import (fit_from_log, load_saved_policy, make_policy, offline_summary,
