@@ -146,6 +146,10 @@ class RuntimePolicy:
         if isinstance(providers, str) and providers.lower() == "cuda" and self.provider != "CUDAExecutionProvider":
             raise PolicyLoadError(f"{self.path}: CUDA was requested but onnxruntime runs it on {self.provider}")
         self._x = np.zeros((1, self.feature_set.n_features), dtype=np.float32)  # type: ignore[union-attr]
+        try:  # the first run allocates and plans; pay it at load, not on a decoding step
+            sess.run(["gamma"], {"features": self._x})
+        except Exception as exc:
+            raise PolicyLoadError(f"{self.path}: the model does not run on a feature row ({exc})") from exc
 
     def _check_metadata(self) -> None:
         m = self.metadata

@@ -1,0 +1,531 @@
+"""Run a gamma policy inside Hugging Face assisted generation.
+
+    handle = attach(target, "exported/policy.onnx", compression="nf4")
+    out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)   # unchanged call
+    handle.stats        # per step: gamma, accepted, draft / verify / decision time
+    handle.detach()     # or: with attach(...) as handle: ...
+
+``attach`` replaces ``target._get_candidate_generator`` on that one model
+instance so that assisted generation drafts through
+:class:`SpeckvCandidateGenerator`, a subclass of transformers'
+``AssistedCandidateGenerator``. Verification, acceptance (greedy match or
+rejection sampling) and cache handling stay Hugging Face's own code, so the
+output is the target's whatever gamma the policy picks.
+
+Decision modes
+--------------
+``upfront``
+    Draft one token, compute the ``online`` features from its processed
+    distribution, decide gamma, draft the rest. Gamma 0 drops the probe token
+    and makes the step a plain target step.
+``per-token``
+    After each draft token, ask the policy about a step starting from that
+    token's distribution: keep the token if it would draft >= 1, go on drafting
+    if it would draft >= 2 (a DISCO / SpecDec++-style stop rule).
+``truncate``
+    The published design: draft ``max_gamma`` tokens, compute the ``paper``
+    features over all of them, keep the first gamma.
+``fixed``
+    Gamma chosen before drafting by a callable ``gamma_fn(step) -> int`` (the
+    profiler's schedules and fixed-gamma baselines); no features.
+
+This module imports torch and transformers; :mod:`speckv_policy.runtime` does not
+import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.generation.candidate_generator import (
+    AssistedCandidateGenerator,
+    _prepare_attention_mask,
+    _prepare_position_ids,
+    _prepare_token_type_ids,
+)
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+from .features import OnlineFeatureState, draft_token_stats_from_logits, paper_features
+from .runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, RuntimePolicy
+from .schema import COMPRESSIONS, ONLINE, PAPER, FeatureSet, get_feature_set
+
+MODES = ("upfront", "per-token", "truncate", "fixed")
+DEFAULT_MAX_GAMMA = 8
+
+
+def detect_compression(model: Any) -> str:
+    """Compression name of a loaded model: ``int8``/``nf4`` from its
+    bitsandbytes config, else its dtype (``fp16``, ``bf16``, ``fp32``).
+
+    Raises
+    ------
+    ValueError
+        For a quantization this package has no code for (e.g. FP4).
+    """
+    q = getattr(model.config, "quantization_config", None)
+    if q is not None:
+        get = q.get if isinstance(q, dict) else lambda k, d=None: getattr(q, k, d)
+        if get("load_in_8bit", False):
+            return "int8"
+        if get("load_in_4bit", False):
+            kind = get("bnb_4bit_quant_type", "fp4")
+            if kind == "nf4":
+                return "nf4"
+            raise ValueError(f"4-bit quantization {kind!r} has no compression code; pass compression= explicitly")
+    dtype = getattr(model, "dtype", torch.float32)
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, "fp32")
+
+
+@dataclass
+class StepStats:
+    """What one speculation step did.
+
+    ``gamma`` is the number of draft tokens sent to verification, ``drafted``
+    the number the draft produced (more when a probe or truncation dropped
+    some), ``accepted`` how many the target kept. Times in ms / us.
+    """
+
+    generation: int
+    step: int
+    context_len: int
+    gamma: int
+    drafted: int
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    decision_us: float = 0.0
+    fallback: bool = False
+    draft_confidence: list[float] = field(default_factory=list)
+    draft_entropy: list[float] = field(default_factory=list)
+    draft_token_prob: list[float] = field(default_factory=list)
+
+
+class _Decider:
+    """Wraps any policy into ``decide(features) -> int`` that never raises."""
+
+    def __init__(self, policy: Any, feature_set: FeatureSet | None, max_gamma: int | None, fallback_gamma: int) -> None:
+        self.fallback_gamma = int(fallback_gamma)
+        self.warned = False
+        self.fallbacks = 0
+        self.source = policy
+        if isinstance(policy, (str, os.PathLike)):
+            policy = RuntimePolicy(policy, fallback_gamma=fallback_gamma)
+        if isinstance(policy, RuntimePolicy):
+            self.feature_set = policy.feature_set or feature_set
+            cands = policy.candidates
+            self._fn = policy.decide
+        elif hasattr(policy, "predict") and hasattr(policy, "candidates_"):
+            self.feature_set = get_feature_set(policy.feature_set_) if policy.feature_set_ else feature_set
+            cands = policy.candidates_
+            self._fn = lambda x: policy.predict(np.asarray(x, dtype=np.float32).reshape(1, -1))[0]
+        elif callable(policy):
+            self.feature_set = feature_set
+            cands = None
+            self._fn = policy
+        else:
+            raise TypeError(
+                f"policy must be an .onnx path, a RuntimePolicy, a fitted GammaPolicy or a callable; got {type(policy).__name__}"
+            )
+        top = int(np.max(cands)) if cands is not None and len(cands) else DEFAULT_MAX_GAMMA
+        self.max_gamma = int(max_gamma) if max_gamma is not None else max(top, 1)
+        if self.max_gamma < 1:
+            raise ValueError(f"max_gamma must be >= 1, got {self.max_gamma}")
+
+    def _fail(self, why: str) -> int:
+        self.fallbacks += 1
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"speckv policy {self.source!r} failed ({why}); using fallback gamma {self.fallback_gamma} "
+                "(further failures are counted in handle.summary()['fallbacks'], not warned)",
+                PolicyFallbackWarning,
+                stacklevel=2,
+            )
+        return min(self.fallback_gamma, self.max_gamma)
+
+    def __call__(self, features: Any) -> tuple[int, bool]:
+        try:
+            g = self._fn(features)
+        except Exception as exc:  # a broken policy must never break generation
+            return self._fail(f"{type(exc).__name__}: {exc}"), True
+        try:
+            ok = float(g) == int(g) and 0 <= int(g) <= self.max_gamma
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            return self._fail(f"returned {g!r}, expected an int in 0..{self.max_gamma}"), True
+        return int(g), False
+
+
+class _Controller:
+    """Per-``attach`` decision logic and statistics, shared by every generate call."""
+
+    def __init__(self, decider: _Decider | None, mode: str, compression: str, gamma_fn: Callable[[int], int] | None,
+                 record_tokens: bool, sync_cuda: bool) -> None:
+        self.decider = decider
+        self.mode = mode
+        self.compression = compression
+        self.gamma_fn = gamma_fn
+        self.record_tokens = record_tokens
+        self.sync_cuda = sync_cuda
+        self.max_gamma = decider.max_gamma if decider is not None else DEFAULT_MAX_GAMMA
+        self.stats: list[StepStats] = []
+        self.generations = 0
+        self.state: OnlineFeatureState | None = None
+        self.current: StepStats | None = None
+        self._verify_t0 = 0.0
+        self._kept = 0
+        self._plan = 0
+        self._device: torch.device | None = None
+
+    # -- sequence / step bookkeeping --------------------------------------
+    def begin(self, generation_config: Any, device: torch.device) -> None:
+        temp = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
+        self.state = OnlineFeatureState(self.compression, temp)
+        self.generations += 1
+        self.step = 0
+        self._device = device
+
+    def clock(self) -> float:
+        if self.sync_cuda and self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    def _decide(self, features: Any) -> int:
+        t = time.perf_counter()
+        g, fell_back = self.decider(features)  # type: ignore[misc]
+        assert self.current is not None
+        self.current.decision_us += (time.perf_counter() - t) * 1e6
+        self.current.fallback |= fell_back
+        return g
+
+    def plan_fixed(self) -> int:
+        assert self.gamma_fn is not None
+        g = self.gamma_fn(self.step)
+        if not (isinstance(g, (int, np.integer)) and 0 <= g <= 64):
+            raise ValueError(f"gamma_fn returned {g!r}; expected an int in 0..64")
+        return int(g)
+
+    def on_draft_token(self, k: int, logits: torch.Tensor, context_len: int) -> bool:
+        """Called after draft token ``k`` (1-based); returns True to stop drafting."""
+        assert self.state is not None
+        if self.mode == "upfront":
+            if k == 1:
+                conf, ent = draft_token_stats_from_logits(logits)
+                self._plan = self._decide(self.state.features(float(conf), float(ent), context_len))
+                self._kept = min(self._plan, self.max_gamma)
+            return k >= max(self._kept, 1)
+        # per-token: would a step starting from this token's distribution draft?
+        conf, ent = draft_token_stats_from_logits(logits)
+        g = self._decide(self.state.features(float(conf), float(ent), context_len))
+        if g >= 1:
+            self._kept = k
+        return g < 2 or k >= self.max_gamma
+
+    def finish_draft(self, logits: torch.Tensor) -> int:
+        """Number of drafted tokens to send for verification."""
+        drafted = logits.shape[1]
+        if self.mode == "truncate":
+            conf, ent = draft_token_stats_from_logits(logits[0])
+            g = self._decide(paper_features(conf.cpu().numpy(), ent.cpu().numpy(), self.compression))
+            return min(g, drafted)
+        if self.mode == "fixed":
+            return drafted
+        return min(self._kept, drafted)
+
+    def record_tokens_of(self, ids: torch.Tensor, logits: torch.Tensor, start: int) -> None:
+        assert self.current is not None
+        lg = logits[0].float()
+        conf, ent = draft_token_stats_from_logits(lg)
+        probs = lg.softmax(-1)
+        tok = ids[0, start:start + lg.shape[0]]
+        self.current.draft_confidence = conf.tolist()
+        self.current.draft_entropy = ent.tolist()
+        self.current.draft_token_prob = probs[torch.arange(lg.shape[0], device=probs.device), tok].tolist()
+
+    def end_step(self, num_matches: int) -> None:
+        cur = self.current
+        if cur is None:
+            return
+        cur.verify_ms = (self.clock() - self._verify_t0) * 1e3
+        cur.accepted = int(min(num_matches, cur.gamma))
+        assert self.state is not None
+        self.state.update(cur.gamma, cur.accepted)
+        self.stats.append(cur)
+        self.current = None
+        self.step += 1
+
+
+class _PolicyStop(StoppingCriteria):
+    """Stopping criterion that lets the controller end the draft early."""
+
+    def __init__(self, controller: _Controller, start_len: int) -> None:
+        self.controller = controller
+        self.start_len = start_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        k = input_ids.shape[-1] - self.start_len
+        stop = self.controller.on_draft_token(k, scores[-1][0], self.start_len + k - 1)
+        return torch.full((input_ids.shape[0],), bool(stop), dtype=torch.bool, device=input_ids.device)
+
+
+class SpeckvCandidateGenerator(AssistedCandidateGenerator):
+    """``AssistedCandidateGenerator`` whose draft length comes from a policy.
+
+    Only the choice of how many draft tokens to propose changes; verification
+    and acceptance are transformers' own code.
+    """
+
+    def __init__(self, *args: Any, controller: _Controller, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.controller = controller
+        # switch off transformers' own confidence stop (None would mean 0.4)
+        self.assistant_confidence_threshold = 0.0
+        self.generation_config.assistant_confidence_threshold = 0.0
+        self.assistant_generation_config.num_assistant_tokens_schedule = "constant"
+        self.num_assistant_tokens = controller.max_gamma
+        controller.begin(self.generation_config, self.assistant_model.device)
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        c = self.controller
+        input_ids = input_ids.to(self.assistant_model.device)
+        cur = input_ids.shape[-1]
+        t0 = c.clock()
+        budget = self.main_model_max_length - cur - 1
+        cap = c.max_gamma
+        if c.mode == "fixed":
+            cap = c.plan_fixed()
+        elif c.mode == "truncate":
+            cap = c.max_gamma
+        cap = min(cap, budget)
+        c.current = StepStats(generation=c.generations, step=c.step, context_len=cur, gamma=0, drafted=0)
+        if cap <= 0:
+            c._verify_t0 = c.clock()
+            return input_ids, None
+        self.num_assistant_tokens = cap
+        min_new, max_new = self._calculate_new_tokens(input_ids)
+        if not self._update_past_and_masks(input_ids):
+            # no draft cache yet (earlier steps skipped the draft): transformers only syncs the
+            # masks when a cache exists, so bring them to the current length here
+            self.assistant_kwargs = _prepare_attention_mask(
+                self.assistant_kwargs, cur, self.assistant_model.config.is_encoder_decoder
+            )
+            self.assistant_kwargs = _prepare_position_ids(
+                self.assistant_kwargs, cur, self.assistant_model.config.is_encoder_decoder
+            )
+            self.assistant_kwargs = _prepare_token_type_ids(self.assistant_kwargs, cur)
+        args = self._prepare_generation_args(input_ids, min(min_new, max_new), max_new)
+        if c.mode in ("upfront", "per-token"):
+            c._kept = 0
+            args["stopping_criteria"] = StoppingCriteriaList([_PolicyStop(c, cur)])
+        ids, logits = self._generate_candidates(args)
+        gamma = c.finish_draft(logits)
+        step = c.current
+        step.drafted = int(logits.shape[1])
+        step.gamma = int(gamma)
+        if c.record_tokens and gamma > 0:
+            c.record_tokens_of(ids, logits[:, :gamma], cur)
+        c._verify_t0 = c.clock()
+        step.draft_ms = (c._verify_t0 - t0) * 1e3
+        if gamma == 0:
+            return input_ids, None
+        return ids[:, : cur + gamma], logits[:, :gamma]
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        self.controller.end_step(int(num_matches))
+
+
+class SpeckvHandle:
+    """Returned by :func:`attach`: statistics and :meth:`detach`.
+
+    Attributes
+    ----------
+    stats : list of StepStats
+        Every step of every assisted ``generate`` call since attaching.
+    mode : str
+        The decision mode.
+    compression : str
+        Compression name fed to the features.
+    """
+
+    def __init__(self, target: Any, controller: _Controller) -> None:
+        self.target = target
+        self._controller = controller
+        self.mode = controller.mode
+        self.compression = controller.compression
+        self._attached = True
+
+    @property
+    def stats(self) -> list[StepStats]:
+        return self._controller.stats
+
+    def reset_stats(self) -> None:
+        """Forget the recorded steps."""
+        self._controller.stats.clear()
+
+    def summary(self) -> dict[str, float]:
+        """Totals over :attr:`stats`: steps, tokens, mean gamma, acceptance, times, fallbacks."""
+        s = self.stats
+        gam = sum(x.gamma for x in s)
+        acc = sum(x.accepted for x in s)
+        dec = self._controller.decider
+        return {
+            "steps": len(s),
+            "tokens": acc + len(s),
+            "mean_gamma": gam / len(s) if s else 0.0,
+            "acceptance": acc / gam if gam else 0.0,
+            "draft_ms": sum(x.draft_ms for x in s),
+            "verify_ms": sum(x.verify_ms for x in s),
+            "decision_us_mean": float(np.mean([x.decision_us for x in s])) if s else 0.0,
+            "fallbacks": dec.fallbacks if dec is not None else 0,
+        }
+
+    def stats_records(self) -> list[dict[str, Any]]:
+        """:attr:`stats` as plain dicts (e.g. for ``pandas.DataFrame``)."""
+        return [asdict(x) for x in self.stats]
+
+    def detach(self) -> None:
+        """Restore the target's own candidate generator."""
+        if self._attached:
+            self.target.__dict__.pop("_get_candidate_generator", None)
+            self.target.__dict__.pop("generate", None)
+            self._attached = False
+
+    def __enter__(self) -> "SpeckvHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+
+def attach(
+    target: Any,
+    policy: Any = None,
+    *,
+    compression: str | None = None,
+    mode: str = "upfront",
+    max_gamma: int | None = None,
+    fallback_gamma: int = DEFAULT_FALLBACK_GAMMA,
+    feature_set: str | None = None,
+    gamma_fn: Callable[[int], int] | None = None,
+    record_tokens: bool = False,
+    sync_cuda: bool = True,
+) -> SpeckvHandle:
+    """Make ``target.generate(..., assistant_model=draft)`` consult a gamma policy.
+
+    Parameters
+    ----------
+    target : transformers PreTrainedModel
+        The verifying model (full precision or bitsandbytes INT8 / NF4).
+    policy : path, RuntimePolicy, fitted GammaPolicy or callable
+        Where gamma comes from. A callable receives the feature vector and
+        must then be told its ``feature_set``. Not used by ``mode='fixed'``.
+    compression : str or None
+        ``fp16``, ``bf16``, ``fp32``, ``int8`` or ``nf4``; ``None`` detects it
+        from the target (:func:`detect_compression`).
+    mode : {'upfront', 'per-token', 'truncate', 'fixed'}
+        See the module docstring.
+    max_gamma : int or None
+        Cap on draft tokens per step; default: the policy's largest candidate.
+    fallback_gamma : int, default=4
+        Gamma used, with one warning, when the policy fails or returns nonsense.
+    feature_set : str or None
+        Feature set of a callable policy (``online`` or ``paper``).
+    gamma_fn : callable or None
+        ``gamma_fn(step) -> int`` for ``mode='fixed'``.
+    record_tokens : bool
+        Keep per-draft-token confidence / entropy / token probability in
+        :attr:`SpeckvHandle.stats` (the profiler uses this).
+    sync_cuda : bool
+        Synchronise CUDA around timings so draft and verify times are exact.
+
+    Returns
+    -------
+    SpeckvHandle
+
+    Raises
+    ------
+    ValueError
+        For an unknown mode or compression, a feature set that does not fit
+        the mode, or (at generate time) batch size > 1 or beam search.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if compression is None:
+        compression = detect_compression(target)
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
+    decider = None
+    if mode == "fixed":
+        if gamma_fn is None:
+            raise ValueError("mode='fixed' needs gamma_fn(step) -> int")
+    else:
+        if policy is None:
+            raise ValueError(f"mode={mode!r} needs a policy")
+        fs = get_feature_set(feature_set) if feature_set else None
+        decider = _Decider(policy, fs, max_gamma, fallback_gamma)
+        want = PAPER if mode == "truncate" else ONLINE
+        if decider.feature_set is None:
+            raise ValueError("a callable policy needs feature_set= ('online' or 'paper')")
+        if decider.feature_set.name != want.name:
+            raise ValueError(
+                f"mode={mode!r} computes the {want.name!r} feature set but the policy expects "
+                f"{decider.feature_set.name!r}"
+            )
+    if "_get_candidate_generator" in target.__dict__:
+        raise RuntimeError("a speckv policy is already attached to this model; detach() it first")
+    controller = _Controller(decider, mode, compression, gamma_fn, record_tokens, sync_cuda)
+    original = type(target)._get_candidate_generator
+
+    def _get_candidate_generator(generation_config: Any, input_ids: torch.LongTensor, inputs_tensor: Any,
+                                 logits_processor: Any, model_kwargs: dict, assistant_model: Any = None,
+                                 target_tokenizer: Any = None, assistant_tokenizer: Any = None) -> Any:
+        plain_assisted = (
+            assistant_model is not None
+            and target_tokenizer is None
+            and generation_config.prompt_lookup_num_tokens is None
+            and getattr(generation_config, "assistant_early_exit", None) is None
+        )
+        if not plain_assisted:
+            return original(target, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                            assistant_model, target_tokenizer, assistant_tokenizer)
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"speckv-policy: Hugging Face assisted decoding runs one sequence at a time; got batch size "
+                f"{input_ids.shape[0]}. Call generate once per prompt."
+            )
+        if (generation_config.num_beams or 1) > 1:
+            raise ValueError("speckv-policy: assisted decoding does not support beam search (num_beams > 1)")
+        return SpeckvCandidateGenerator(
+            input_ids=input_ids,
+            assistant_model=assistant_model,
+            generation_config=generation_config,
+            model_kwargs=model_kwargs,
+            inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor,
+            controller=controller,
+        )
+
+    original_generate = target.generate
+
+    @functools.wraps(original_generate)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("assistant_model") is not None:
+            gc = kwargs.get("generation_config") or target.generation_config
+            beams = kwargs.get("num_beams", getattr(gc, "num_beams", 1)) or 1
+            if beams > 1:
+                # transformers would silently run beam search without the assistant
+                raise ValueError("speckv-policy: assisted decoding does not support beam search (num_beams > 1)")
+        return original_generate(*args, **kwargs)
+
+    target._get_candidate_generator = _get_candidate_generator
+    target.generate = generate
+    return SpeckvHandle(target, controller)

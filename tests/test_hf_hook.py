@@ -1,0 +1,240 @@
+"""The Hugging Face hook: lossless for any gamma sequence, quantized targets, failure modes."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from speckv_policy.hf import attach, detect_compression
+from speckv_policy.runtime import PolicyFallbackWarning
+from speckv_policy.tiny import save_tiny_pair, tiny_llama_pair
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama_pair(seed=0)
+
+
+def _greedy(target, ids, n):
+    return target.generate(ids, max_new_tokens=n, do_sample=False)
+
+
+def _cycle(seq):
+    it = itertools.cycle(seq)
+    return lambda features: next(it)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gammas=st.lists(st.integers(0, 8), min_size=1, max_size=12),
+    mode=st.sampled_from(["upfront", "per-token", "truncate", "fixed"]),
+    prompt=st.lists(st.integers(1, 63), min_size=1, max_size=12),
+    n_new=st.integers(1, 40),
+)
+def test_greedy_output_is_the_targets_for_any_gamma_sequence(pair, gammas, mode, prompt, n_new):
+    target, draft = pair
+    ids = torch.tensor([prompt])
+    ref = _greedy(target, ids, n_new)
+    fs = "paper" if mode == "truncate" else "online"
+    kw = {"gamma_fn": _cycle(gammas)} if mode == "fixed" else {"feature_set": fs}
+    with attach(target, _cycle(gammas), compression="fp32", mode=mode, max_gamma=8, **kw) as h:
+        out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    assert sum(s.accepted + 1 for s in h.stats) == out.shape[1] - ids.shape[1]
+
+
+def test_the_policy_really_sets_gamma(pair):
+    target, draft = pair
+    ids = torch.tensor([[1, 2, 3]])
+    with attach(target, _cycle([3, 0, 5, 1]), compression="fp32", feature_set="online") as h:
+        target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert [s.gamma for s in h.stats[:4]] == [3, 0, 5, 1]
+    assert [s.drafted for s in h.stats[:4]] == [3, 1, 5, 1]  # gamma 0 still drafted the probe token
+    acc = h.summary()["acceptance"]
+    assert 0.1 < acc < 0.95  # both accept and reject paths ran
+
+
+def _exact_joint(target, ids, vocab):
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1].double(), -1)
+        joint = np.zeros((vocab, vocab))
+        for a in range(vocab):
+            nxt = torch.cat([ids, torch.tensor([[a]])], 1)
+            p2 = torch.softmax(target(nxt).logits[0, -1].double(), -1)
+            joint[a] = (p1[a] * p2).numpy()
+    return joint
+
+
+def _chi2_pvalue(counts, expected_probs):
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    exp = expected_probs.ravel() * n
+    obs = counts.ravel()
+    small = exp < 5
+    obs = np.append(obs[~small], obs[small].sum())
+    exp = np.append(exp[~small], exp[small].sum())
+    return chisquare(obs, exp).pvalue
+
+
+def test_sampling_keeps_the_target_distribution():
+    vocab = 12
+    target, draft = tiny_llama_pair(vocab_size=vocab, hidden_size=32, noise=0.3, seed=3, init_range=0.15)
+    ids = torch.tensor([[1, 2, 3]])
+    joint = _exact_joint(target, ids, vocab)
+    counts = np.zeros((vocab, vocab))
+    draft_counts = np.zeros((vocab, vocab))
+    rng = np.random.default_rng(0)
+    n = 1500
+    with attach(target, lambda f: int(rng.integers(0, 4)), compression="fp32", feature_set="online") as h:
+        for i in range(n):
+            torch.manual_seed(i)
+            out = target.generate(ids, max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                  assistant_model=draft)
+            counts[out[0, 3], out[0, 4]] += 1
+    assert h.summary()["acceptance"] > 0.2 and max(s.gamma for s in h.stats) >= 1
+    for i in range(n):  # the draft's own samples: the test must be able to tell them apart
+        torch.manual_seed(i)
+        out = draft.generate(ids, max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+        draft_counts[out[0, 3], out[0, 4]] += 1
+    assert _chi2_pvalue(counts, joint) > 0.001
+    assert _chi2_pvalue(draft_counts, joint) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+def _load_quantized(path, kind):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = {
+        "int8": BitsAndBytesConfig(load_in_8bit=True),
+        # outlier decomposition off: every token's row is quantized on its own (batch-invariant)
+        "int8-no-outliers": BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=1e9),
+        "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
+    }[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map="cpu").eval()
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8-no-outliers"])
+def test_quantized_target_greedy_equality(saved_pair, kind):
+    from transformers import AutoModelForCausalLM
+
+    tpath, dpath = saved_pair
+    target = _load_quantized(tpath, kind)
+    draft = AutoModelForCausalLM.from_pretrained(dpath).eval()
+    assert detect_compression(target) == kind.split("-")[0]
+    rng = np.random.default_rng(1)
+    for prompt in ([1, 2, 3, 4], [9, 30, 2], [50]):
+        ids = torch.tensor([prompt])
+        ref = _greedy(target, ids, 30)
+        for mode in ("upfront", "per-token"):
+            with attach(target, lambda f: int(rng.integers(0, 9)), feature_set="online", mode=mode) as h:
+                out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+            assert h.compression == kind.split("-")[0]
+            assert torch.equal(out, ref), (kind, mode, prompt)
+
+
+def test_default_int8_matches_transformers_own_assisted_decoding(saved_pair):
+    """LLM.int8 picks outlier columns over all tokens of a forward pass, so verifying k tokens at
+    once can differ numerically from k single steps, for transformers' own assisted decoding too.
+    The hook must add nothing to that: same gamma, same tokens as transformers' untouched code."""
+    from transformers import AutoModelForCausalLM
+
+    tpath, dpath = saved_pair
+    target = _load_quantized(tpath, "int8")
+    draft = AutoModelForCausalLM.from_pretrained(dpath).eval()
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    for g in (1, 3, 6):
+        draft.generation_config.num_assistant_tokens = g
+        for prompt in ([1, 2, 3, 4], [9, 30, 2]):
+            ids = torch.tensor([prompt])
+            hf_own = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+            with attach(target, None, compression="int8", mode="fixed", gamma_fn=lambda step, g=g: g):
+                ours = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+            assert torch.equal(ours, hf_own), (g, prompt)
+
+
+@pytest.mark.parametrize("bad", [lambda f: 1 / 0, lambda f: -1, lambda f: 99, lambda f: "four", lambda f: float("nan"),
+                                 lambda f: 2.5])
+def test_broken_policy_falls_back_with_one_warning(pair, bad):
+    target, draft = pair
+    ids = torch.tensor([[5, 6, 7]])
+    ref = _greedy(target, ids, 25)
+    with pytest.warns(PolicyFallbackWarning) as rec:
+        with attach(target, bad, compression="fp32", feature_set="online", fallback_gamma=2) as h:
+            out = target.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    assert len([r for r in rec if r.category is PolicyFallbackWarning]) == 1
+    assert h.summary()["fallbacks"] == len(h.stats) and all(s.gamma == 2 for s in h.stats[:-1])
+
+
+def test_onnx_and_fitted_policies(pair, fitted, tmp_path):
+    from speckv_policy.export import export_onnx
+
+    target, draft = pair
+    ids = torch.tensor([[1, 2, 3]])
+    ref = _greedy(target, ids, 30)
+    export_onnx(fitted["table"], tmp_path / "t.onnx")
+    for policy in (str(tmp_path / "t.onnx"), fitted["table"]):
+        with attach(target, policy, compression="fp32") as h:
+            out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+        assert torch.equal(out, ref)
+        assert all(s.decision_us > 0 for s in h.stats if s.drafted)
+    with attach(target, fitted["paper-mlp16"], compression="fp32", mode="truncate") as h:
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    assert {s.gamma for s in h.stats[:-1]} <= {2, 4, 6, 8}
+
+
+def test_corrupt_onnx_file_generation_still_runs(pair, tmp_path):
+    target, draft = pair
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07garbage")
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.warns(PolicyFallbackWarning):
+        with attach(target, str(bad), compression="fp32", feature_set="online", fallback_gamma=3):
+            out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, _greedy(target, ids, 20))
+
+
+def test_clear_errors(pair, fitted):
+    target, draft = pair
+    with attach(target, _cycle([2]), compression="fp32", feature_set="online"):
+        with pytest.raises(ValueError, match="batch size 2"):
+            target.generate(torch.tensor([[1, 2], [3, 4]]), max_new_tokens=4, assistant_model=draft)
+        with pytest.raises(ValueError, match="beam search"):
+            target.generate(torch.tensor([[1, 2]]), max_new_tokens=4, assistant_model=draft, num_beams=2)
+        with pytest.raises(RuntimeError, match="already attached"):
+            attach(target, _cycle([2]), compression="fp32", feature_set="online")
+    with pytest.raises(ValueError, match="computes the 'paper' feature set but the policy expects 'online'"):
+        attach(target, fitted["table"], compression="fp32", mode="truncate")
+    with pytest.raises(ValueError, match="unknown mode"):
+        attach(target, fitted["table"], compression="fp32", mode="eager")
+    with pytest.raises(ValueError, match="unknown compression 'int4'"):
+        attach(target, fitted["table"], compression="int4")
+    with pytest.raises(ValueError, match="needs feature_set"):
+        attach(target, _cycle([2]), compression="fp32")
+
+
+def test_detach_restores_the_model(pair):
+    target, draft = pair
+    ids = torch.tensor([[1, 2, 3]])
+    h = attach(target, _cycle([2]), compression="fp32", feature_set="online")
+    h.detach()
+    assert "_get_candidate_generator" not in target.__dict__ and "generate" not in target.__dict__
+    target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=draft)
+    assert h.stats == []
