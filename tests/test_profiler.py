@@ -1,0 +1,146 @@
+"""speckv-profile on tiny models built in code: rows, resume, prompt errors, one feature code."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from speckv_policy import profiler
+from speckv_policy.features import features_from_log
+from speckv_policy.hf import attach
+from speckv_policy.logs import read_log, validate_log
+from speckv_policy.objective import CostModel
+from speckv_policy.profiler import ProfileConfig, PromptFileError, read_prompts
+from speckv_policy.tiny import save_tiny_pair, tiny_llama_pair
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prof")
+    target, draft = save_tiny_pair(d)
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(4):
+        lines.append(json.dumps({"id": f"p{i}", "task_type": ["code", "math", "chat", "summarization"][i],
+                                 "split": "heldout" if i == 3 else "train",
+                                 "input_ids": rng.integers(1, 64, size=int(rng.integers(2, 8))).tolist()}))
+    (d / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    return d, str(target), str(draft)
+
+
+def _cfg(d, target, draft, out, **kw):
+    base = dict(target=target, draft=draft, out=str(out), compressions=("fp32", "nf4"),
+                decodings=("greedy", "sampling"), max_new_tokens=30, seed=3)
+    base.update(kw)
+    return ProfileConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def full_run(setup):
+    d, target, draft = setup
+    out = d / "full.parquet"
+    counts = profiler.profile(_cfg(d, target, draft, out), read_prompts(d / "prompts.jsonl"), progress=False)
+    return out, counts
+
+
+def test_profile_rows_validate_and_fit_a_cost_model(full_run):
+    out, counts = full_run
+    assert counts["done"] == 2 * 2 * 4 and counts["skipped"] == 0
+    log = read_log(out)  # validates every row against the schema
+    assert len(log) == counts["rows"] > 100
+    assert set(log["compression"]) == {"fp32", "nf4"} and set(log["decoding"]) == {"greedy", "sampling"}
+    assert (log["gamma"] == 8).mean() > 0.6 and (log["gamma"] < 8).any()  # gamma_max plus calibration steps
+    assert set(log.loc[log["prompt_id"] == "p3", "split"]) == {"heldout"}
+    assert (log.loc[log["decoding"] == "sampling", "temperature"] == 0.7).all()
+    cm = CostModel.fit(log)
+    assert all(v > 0 for v in cm.verify_base_ms) and all(v > 0 for v in cm.draft_ms_per_token)
+    assert 0 < log["accepted"].mean() < 8
+
+
+def test_interrupted_profile_resumes_to_the_same_rows(setup, full_run, monkeypatch):
+    d, target, draft = setup
+    out = d / "resumed.parquet"
+    prompts = read_prompts(d / "prompts.jsonl")
+    real_append = profiler.append_log
+    calls = {"n": 0}
+
+    def crash_on_third(path, rows):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_append(path, rows)
+
+    monkeypatch.setattr(profiler, "append_log", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        profiler.profile(_cfg(d, target, draft, out), prompts, progress=False)
+    partial = read_log(out)
+    assert partial["prompt_id"].nunique() == 2  # the two finished units survived, intact
+    monkeypatch.setattr(profiler, "append_log", real_append)
+    counts = profiler.profile(_cfg(d, target, draft, out), prompts, progress=False)
+    assert counts["skipped"] == 2 and counts["done"] == 14
+    resumed, reference = read_log(out), read_log(full_run[0])
+    key = ["run_id", "prompt_id", "step"]
+    a = resumed.sort_values(key).reset_index(drop=True)
+    b = reference.sort_values(key).reset_index(drop=True)
+    cols = ["run_id", "prompt_id", "step", "gamma", "accepted", "context_len"]
+    assert a[cols].equals(b[cols])  # seeded per unit: same outcomes as the uninterrupted run
+
+
+def test_fixed_gamma_runs(setup, tmp_path):
+    d, target, draft = setup
+    out = tmp_path / "fixed.parquet"
+    profiler.profile(_cfg(d, target, draft, out, compressions=("fp32",), decodings=("greedy",), fixed_gammas=(2, 4)),
+                     read_prompts(d / "prompts.jsonl")[:2], progress=False)
+    log = read_log(out)
+    assert set(log["run_id"]) == {"profile-fp32-greedy", "profile-fp32-greedy-g2", "profile-fp32-greedy-g4"}
+    assert set(log.loc[log["run_id"].str.endswith("-g4"), "gamma"]) == {4}
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("{not json", "line 2: not valid JSON"),
+    ('{"id": "x", "task_type": "poetry", "input_ids": [1]}', "line 2: task_type must be one of"),
+    ('{"id": "x", "task_type": "code"}', "line 2: give exactly one of 'prompt'"),
+    ('{"id": "a", "task_type": "code", "input_ids": [1]}', "line 2: duplicate id 'a'"),
+    ('{"id": "x", "task_type": "code", "input_ids": [-1]}', "line 2: 'input_ids' must be"),
+    ('{"id": "x", "task_type": "code", "split": "test", "prompt": "hi"}', "line 2: split must be"),
+])
+def test_bad_prompt_file_names_the_line(tmp_path, line, msg):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "task_type": "code", "input_ids": [1, 2]}\n' + line + "\n")
+    with pytest.raises(PromptFileError, match=msg):
+        read_prompts(f)
+
+
+def test_cli_reports_prompt_errors(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text("[1, 2]\n")
+    assert profiler.main(["--target", "t", "--draft", "d", "--prompts", str(f), "--out", str(tmp_path / "o.parquet")]) == 2
+    assert "line 1: expected a JSON object" in capsys.readouterr().err
+
+
+def test_runtime_features_equal_log_features():
+    """The hook's features at run time and features_from_log on the logged steps are the same numbers."""
+    target, draft = tiny_llama_pair(seed=1)
+    seen = []
+    rng = np.random.default_rng(0)
+
+    def policy(x):
+        seen.append(np.array(x, copy=True))
+        return int(rng.integers(0, 6))
+
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with attach(target, policy, compression="int8", feature_set="online", record_tokens=True) as h:
+        target.generate(ids, max_new_tokens=60, do_sample=True, temperature=0.7, assistant_model=draft)
+    prompt = profiler.Prompt("p", "code", "train", input_ids=(3, 1, 4, 1, 5))
+    rows = profiler.stats_to_rows(h.stats + [h.stats[-1]], run_id="r", prompt=prompt, compression="int8",
+                                  decoding="sampling", temperature=0.7, device="cpu", draft_id="d", target_id="t")
+    log = validate_log(__import__("pandas").DataFrame(rows))
+    X, acc, drafted = features_from_log(log, "online")
+    runtime = np.array([f for f, s in zip(seen, h.stats) if s.gamma > 0])
+    assert len(X) == len(runtime) > 5
+    np.testing.assert_allclose(X.to_numpy(), runtime, rtol=1e-6, atol=1e-7)
