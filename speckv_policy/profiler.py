@@ -70,7 +70,7 @@ def read_prompts(path: str | Path) -> list[Prompt]:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
 
-        def bad(msg: str) -> PromptFileError:
+        def bad(msg: str, no: int = no) -> PromptFileError:
             return PromptFileError(f"{path}, line {no}: {msg}")
 
         try:
