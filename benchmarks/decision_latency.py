@@ -44,7 +44,6 @@ def _in_generation(exported: str, report) -> None:
     """Decisions timed by the hook itself, between real SmolLM2-135M forward passes."""
     import warnings
 
-    import torch
 
     from speckv_policy.hf import attach
     from speckv_policy.models import load_model, load_tokenizer
