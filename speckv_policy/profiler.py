@@ -240,9 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="profile", help="prefix of run ids")
     p.add_argument("--limit", type=int, help="profile only the first N prompts")
+    p.add_argument("--stride", type=int, default=1, help="profile every N-th prompt (a spread subset)")
     args = p.parse_args(argv)
     try:
-        prompts = read_prompts(args.prompts)[: args.limit]
+        if args.stride < 1:
+            raise ValueError(f"--stride must be >= 1, got {args.stride}")
+        prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
         cfg = ProfileConfig(
             target=args.target, draft=args.draft, out=args.out,
             compressions=_csv(args.compressions), decodings=_csv(args.decodings), gamma_max=args.gamma_max,

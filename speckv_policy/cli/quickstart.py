@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", default=DEFAULT_LOG, help=f"step log to train on (default {DEFAULT_LOG})")
     p.add_argument("--out", default="out", help="folder for the .onnx exports (default ./out)")
     p.add_argument("--policies", default=",".join(KINDS), help="comma-separated kinds to train")
+    p.add_argument("--decision-draft-tokens", type=int, choices=[0, 1], default=1,
+                   help="draft tokens paid before deciding: 1 for the hook's default upfront mode (default)")
     args = p.parse_args(argv)
 
     from ..export import export_onnx
@@ -39,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speckv-quickstart: error: {exc}", file=sys.stderr)
         return 2
     synthetic = bool((log["draft_model"] == "synthetic-draft").all())
-    prefix = "synthetic-" if synthetic else ""
-    cm = CostModel.fit(log)
+    targets = set(log["target_model"])
+    prefix = "synthetic-" if synthetic else ("smollm2-" if targets == {"SmolLM2-135M-Instruct"} else "")
+    cm = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
     out = Path(args.out)
     n_train = int((log["split"] == "train").sum())
     print(f"log {args.log}: {len(log)} steps ({n_train} train / {len(log) - n_train} held-out)"

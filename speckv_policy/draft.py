@@ -1,0 +1,426 @@
+"""A distilled draft for SmolLM2-135M-Instruct, and how it is built.
+
+Design (measured feasible in the issue): target layers 0 and 1 copied, the
+input embedding shared with the target and frozen, a trainable head over the
+``head_size`` tokens the target generates most, initialised from their
+embedding rows. Loss: KL from the target's next-token distribution (over the
+head tokens) + 0.5 x cross-entropy on the target's top token. The target's
+distribution is recorded while it generates the training text (top-k per
+position), so training never runs the target again.
+
+Shipped weights hold only what differs from the target (the two layers, the
+final norm, the head and its token ids) in fp16; :func:`load_draft` rebuilds
+the draft from them and the target's embedding.
+
+Commands (see ``docs/draft.md``)::
+
+    speckv-distill corpus  --prompts datasets/prompts/prompts.jsonl --out corpus.pt
+    speckv-distill train   --corpus corpus.pt --out datasets/smollm2/draft
+    speckv-distill eval    --corpus corpus.pt --draft datasets/smollm2/draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+TOPK = 32
+DRAFT_FILE = "draft.safetensors"
+DRAFT_META = "draft.json"
+
+
+class PrunedHead(nn.Module):
+    """Linear head over a subset of the vocabulary; other tokens get -inf.
+
+    The draft can then only propose head tokens, which keeps speculative
+    sampling exact (a token the draft never proposes has q = 0).
+    """
+
+    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.register_buffer("token_ids", token_ids.long(), persistent=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = hidden @ self.weight.t()
+        out = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.token_ids, small)
+
+
+# ----------------------------------------------------------------------------- corpus
+def generate_corpus(prompts: list[Any], *, samples: int = 4, max_new_tokens: int = 160, batch_size: int = 16,
+                    temperature: float = 0.8, seed: int = 0, dtype: str = "bf16", greedy_answers: bool = True,
+                    progress: bool = True) -> dict:
+    """Let the target answer every prompt; keep tokens and its top-k distribution.
+
+    Each prompt gets one greedy answer and ``samples - 1`` sampled ones. Returns
+    a dict of lists: ``ids`` (prompt + answer), ``start`` (first answer
+    position), ``topk_ids`` / ``topk_logp`` (per answer position, the target's
+    top-k next-token log-probabilities), ``prompt_id``, ``task_type``, ``split``.
+    """
+    from tqdm.auto import tqdm
+
+    from .models import load_model, load_tokenizer
+    from .profiler import _encode
+
+    tok = load_tokenizer("smollm2")
+    model = load_model("smollm2", dtype)
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    jobs = [(p, s) for p in prompts for s in range(samples if p.split == "train" else 1)]
+    if not greedy_answers:  # sampled answers only (a second corpus for more varied data)
+        jobs = [(p, s + 1) for p in prompts if p.split == "train" for s in range(samples)]
+    out: dict[str, list] = {k: [] for k in ("ids", "start", "topk_ids", "topk_logp", "prompt_id", "task_type",
+                                            "split", "greedy")}
+    torch.manual_seed(seed)
+    bar = tqdm(total=len(jobs), desc="corpus", disable=not progress, file=sys.stderr)
+    for greedy in (True, False):
+        todo = [(p, s) for p, s in jobs if (s == 0) == greedy]
+        for i in range(0, len(todo), batch_size):
+            chunk = todo[i:i + batch_size]
+            enc = [_encode(p, tok)[0] for p, _ in chunk]
+            width = max(len(e) for e in enc)
+            ids = torch.full((len(enc), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, e in enumerate(enc):
+                ids[j, width - len(e):] = e
+                mask[j, width - len(e):] = 1
+            with torch.no_grad():
+                gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=not greedy,
+                                     temperature=temperature if not greedy else None, top_p=None, top_k=None,
+                                     output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+            logits = torch.stack(gen.logits, dim=1).float()  # [B, T, V] raw target logits
+            logp = torch.log_softmax(logits, -1)
+            top = logp.topk(TOPK, dim=-1)
+            for j, ((p, _), e) in enumerate(zip(chunk, enc)):
+                new = gen.sequences[j, width:]
+                n = len(new)
+                if tok.eos_token_id is not None and (new == tok.eos_token_id).any():
+                    n = int((new == tok.eos_token_id).nonzero()[0]) + 1
+                if n < 2:
+                    continue
+                out["ids"].append(torch.cat([e, new[:n]]).to(torch.int32))
+                out["start"].append(len(e))
+                out["topk_ids"].append(top.indices[j, :n].to(torch.int32))
+                out["topk_logp"].append(top.values[j, :n].to(torch.float16))
+                out["prompt_id"].append(p.id)
+                out["task_type"].append(p.task_type)
+                out["split"].append(p.split)
+                out["greedy"].append(greedy)
+            bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+# ----------------------------------------------------------------------------- model
+def _target_state() -> tuple[Any, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from .models import smollm2_safetensors
+
+    path = smollm2_safetensors()
+    return AutoConfig.from_pretrained(path), load_file(str(path / "model.safetensors"))
+
+
+def build_draft(layers: tuple[int, ...], head_ids: torch.Tensor, config: Any = None,
+                state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32) -> Any:
+    """A draft initialised from the target: chosen layers copied, head from embedding rows."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    if config is None or state is None:
+        config, state = _target_state()
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = len(layers)
+    cfg.tie_word_embeddings = False
+    if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
+        cfg.layer_types = [cfg.layer_types[i] for i in layers]
+    model = LlamaForCausalLM(cfg)
+    sd = {"model.embed_tokens.weight": state["model.embed_tokens.weight"], "model.norm.weight": state["model.norm.weight"]}
+    for new, old in enumerate(layers):
+        for k, v in state.items():
+            pre = f"model.layers.{old}."
+            if k.startswith(pre):
+                sd[f"model.layers.{new}." + k[len(pre):]] = v
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    emb = state["model.embed_tokens.weight"]
+    model.lm_head = PrunedHead(emb[head_ids].clone(), head_ids, cfg.vocab_size)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    return model.to(dtype).eval()
+
+
+def save_draft(model: Any, folder: str | Path, meta: dict[str, Any]) -> None:
+    """Write only what differs from the target (fp16), atomically."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        sd = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
+              if not k.startswith("model.embed_tokens") and k != "lm_head.token_ids"}
+        sd["lm_head.token_ids"] = model.lm_head.token_ids.to(torch.int32).contiguous()
+        save_file(sd, str(tmp / DRAFT_FILE))
+        (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_draft(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """Rebuild the shipped draft from its folder and the target's embedding.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the folder lacks the weights or metadata.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / DRAFT_FILE).exists() or not (folder / DRAFT_META).exists():
+        raise FileNotFoundError(f"{folder}: expected {DRAFT_FILE} and {DRAFT_META} (a speckv distilled draft)")
+    meta = json.loads((folder / DRAFT_META).read_text())
+    sd = load_file(str(folder / DRAFT_FILE))
+    head_ids = sd.pop("lm_head.token_ids").long()
+    config, state = _target_state()
+    model = build_draft(tuple(meta["layers"]), head_ids, config, state)
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    assert not unexpected and set(missing) == {"model.embed_tokens.weight"}, (missing, unexpected)
+    model.generation_config.pad_token_id = None
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------------------- training
+def _batches(corpus: dict, idx: list[int], tokens_per_batch: int, rng: np.random.Generator):
+    order = rng.permutation(idx)
+    batch: list[int] = []
+    size = 0
+    for i in order:
+        n = len(corpus["ids"][i])
+        if batch and size + n > tokens_per_batch:
+            yield batch
+            batch, size = [], 0
+        batch.append(int(i))
+        size += n
+    if batch:
+        yield batch
+
+
+def _collate(corpus: dict, batch: list[int], pos_of: torch.Tensor):
+    """Pad a batch; per answer position: teacher top-k restricted to head tokens."""
+    seqs = [corpus["ids"][i].long() for i in batch]
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    rows, cols, t_idx, t_logp = [], [], [], []
+    for b, (i, s) in enumerate(zip(batch, seqs)):
+        ids[b, : len(s)] = s
+        mask[b, : len(s)] = 1
+        start = corpus["start"][i]
+        n = len(corpus["topk_ids"][i])
+        # logits at position start-1+j predict answer token j, whose teacher top-k is topk[j]
+        rows.append(torch.full((n,), b))
+        cols.append(torch.arange(start - 1, start - 1 + n))
+        t_idx.append(corpus["topk_ids"][i].long())
+        t_logp.append(corpus["topk_logp"][i].float())
+    rows_t, cols_t = torch.cat(rows), torch.cat(cols)
+    tid, tlp = torch.cat(t_idx), torch.cat(t_logp)
+    head_pos = pos_of[tid]  # -1 where the teacher's token is outside the head
+    return ids, mask, rows_t, cols_t, head_pos, tlp
+
+
+def _loss(model: Any, ids, mask, rows, cols, head_pos, tlp, ce_weight: float):
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
+    small = hidden @ model.lm_head.weight.t()  # [P, H] logits over head tokens
+    logq = torch.log_softmax(small, -1)
+    valid = head_pos >= 0
+    p = torch.where(valid, tlp.exp(), torch.zeros_like(tlp))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)  # teacher restricted to head tokens
+    gathered = logq.gather(1, head_pos.clamp_min(0))
+    kl = (p * (torch.log(p.clamp_min(1e-12)) - gathered)).sum(-1).mean()
+    top = head_pos[:, 0]
+    ce_mask = top >= 0
+    ce = -(logq[ce_mask].gather(1, top[ce_mask, None])).mean() if ce_mask.any() else kl * 0
+    return kl + ce_weight * ce, kl.item(), ce.item()
+
+
+def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor) -> dict[str, float]:
+    """Greedy agreement: draft argmax == target argmax on answer positions, per task and overall."""
+    hits: dict[str, list[int]] = {}
+    with torch.no_grad():
+        for batch in _batches(corpus, idx, 4096, np.random.default_rng(0)):
+            ids, mask, rows, cols, head_pos, tlp = _collate(corpus, batch, pos_of)
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
+            pred = model.lm_head.token_ids[(hidden @ model.lm_head.weight.t()).argmax(-1)]
+            teacher = torch.cat([corpus["topk_ids"][i][:, 0].long() for i in batch])
+            ok = (pred == teacher).int()
+            start = 0
+            for i in batch:
+                n = len(corpus["topk_ids"][i])
+                hits.setdefault(corpus["task_type"][i], []).extend(ok[start:start + n].tolist())
+                start += n
+    out = {t: float(np.mean(v)) for t, v in sorted(hits.items())}
+    out["overall"] = float(np.mean([x for v in hits.values() for x in v]))
+    return out
+
+
+def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: int = 8192, minutes: float = 28.0,
+                lr: float = 1e-3, warmup: int = 50, tokens_per_batch: int = 2048, ce_weight: float = 0.5,
+                seed: int = 0, progress: bool = True) -> tuple[Any, dict[str, Any]]:
+    """Distil a draft within a wall-clock budget (cosine schedule over the estimated steps)."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    train_idx = [i for i, s in enumerate(corpus["split"]) if s == "train"]
+    held_idx = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
+    counts = torch.zeros(max(int(t.max()) for t in corpus["ids"]) + 1, dtype=torch.long)
+    for i in train_idx:
+        counts += torch.bincount(corpus["topk_ids"][i][:, 0].long(), minlength=len(counts))[: len(counts)]
+        s = corpus["ids"][i][corpus["start"][i]:].long()
+        counts += torch.bincount(s, minlength=len(counts))[: len(counts)]
+    head_ids = counts.argsort(descending=True)[:head_size].sort().values
+    config, state = _target_state()
+    head_ids = head_ids[head_ids < config.vocab_size]
+    model = build_draft(layers, head_ids, config, state)
+    pos_of = torch.full((config.vocab_size,), -1, dtype=torch.long)
+    pos_of[head_ids] = torch.arange(len(head_ids))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    model.train()
+    t0 = time.time()
+    budget = minutes * 60
+    step, history = 0, []
+    est_total = None
+    while time.time() - t0 < budget:
+        for batch in _batches(corpus, train_idx, tokens_per_batch, rng):
+            elapsed = time.time() - t0
+            if elapsed >= budget:
+                break
+            if step == 20:
+                est_total = int(budget / (elapsed / 20))
+            total = est_total or 10**6
+            scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
+            for g in opt.param_groups:
+                g["lr"] = lr * scale
+            loss, kl, ce = _loss(model, *_collate(corpus, batch, pos_of), ce_weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            if step % 50 == 0:
+                history.append({"step": step, "minutes": round(elapsed / 60, 2), "kl": round(kl, 4), "ce": round(ce, 4)})
+                if progress:
+                    print(f"step {step} {elapsed / 60:.1f} min kl {kl:.3f} ce {ce:.3f}", file=sys.stderr, flush=True)
+    model.eval()
+    n_train_tokens = sum(len(corpus["topk_ids"][i]) for i in train_idx)
+    meta = {
+        "base": "smollm2",
+        "layers": list(layers),
+        "head_size": int(len(head_ids)),
+        "ce_weight": ce_weight,
+        "lr": lr,
+        "tokens_per_batch": tokens_per_batch,
+        "steps": step,
+        "train_minutes": round((time.time() - t0) / 60, 1),
+        "train_tokens": n_train_tokens,
+        "train_sequences": len(train_idx),
+        "heldout_agreement": agreement(model, corpus, held_idx, pos_of) if held_idx else {},
+        "train_agreement": agreement(model, corpus, train_idx[:200], pos_of),
+        "history": history,
+    }
+    return model, meta
+
+
+# ----------------------------------------------------------------------------- CLI
+def _load_corpora(paths: str) -> dict:
+    """Load and concatenate comma-separated corpus files."""
+    merged: dict[str, Any] = {}
+    minutes = 0.0
+    for path in paths.split(","):
+        c = torch.load(path, weights_only=False)
+        minutes += float(c.pop("minutes", 0) or 0)
+        for k, v in c.items():
+            merged.setdefault(k, []).extend(v)
+    merged["minutes"] = round(minutes, 1)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="speckv-distill", description="Distil a draft for SmolLM2-135M-Instruct.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("corpus", help="let the target answer the prompts; record its top-k distributions")
+    c.add_argument("--prompts", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--samples", type=int, default=4, help="answers per training prompt (1 greedy + sampled)")
+    c.add_argument("--max-new-tokens", type=int, default=160)
+    c.add_argument("--batch-size", type=int, default=16)
+    c.add_argument("--dtype", default="bf16")
+    c.add_argument("--temperature", type=float, default=0.8)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--sampled-only", action="store_true", help="no greedy answers (for an extra corpus)")
+    t = sub.add_parser("train", help="train the draft on a corpus")
+    t.add_argument("--corpus", required=True, help="corpus file(s), comma-separated")
+    t.add_argument("--out", required=True)
+    t.add_argument("--minutes", type=float, default=28.0)
+    t.add_argument("--layers", default="0,1")
+    t.add_argument("--head-size", type=int, default=8192)
+    t.add_argument("--lr", type=float, default=1e-3)
+    e = sub.add_parser("eval", help="held-out greedy agreement of a shipped draft")
+    e.add_argument("--corpus", required=True)
+    e.add_argument("--draft", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.cmd == "corpus":
+        from .profiler import read_prompts
+
+        t0 = time.time()
+        corpus = generate_corpus(read_prompts(args.prompts), samples=args.samples, max_new_tokens=args.max_new_tokens,
+                                 batch_size=args.batch_size, dtype=args.dtype, temperature=args.temperature,
+                                 seed=args.seed, greedy_answers=not args.sampled_only)
+        corpus["minutes"] = round((time.time() - t0) / 60, 1)
+        tmp = args.out + ".tmp"
+        torch.save(corpus, tmp)
+        os.replace(tmp, args.out)
+        n = sum(len(x) for x in corpus["topk_ids"])
+        print(f"corpus: {len(corpus['ids'])} answers, {n} answer tokens, {corpus['minutes']} min -> {args.out}")
+    elif args.cmd == "train":
+        corpus = _load_corpora(args.corpus)
+        model, meta = train_draft(corpus, layers=tuple(int(x) for x in args.layers.split(",")),
+                                  head_size=args.head_size, minutes=args.minutes, lr=args.lr)
+        meta["corpus_minutes"] = corpus.get("minutes")
+        save_draft(model, args.out, meta)
+        print(json.dumps({k: meta[k] for k in ("steps", "train_minutes", "train_tokens", "heldout_agreement",
+                                               "train_agreement")}, indent=1))
+    else:
+        corpus = _load_corpora(args.corpus)
+        model = load_draft(args.draft)
+        pos_of = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+        pos_of[model.lm_head.token_ids] = torch.arange(len(model.lm_head.token_ids))
+        held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
+        print(json.dumps(agreement(model, corpus, held, pos_of), indent=1))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
