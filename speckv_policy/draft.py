@@ -179,6 +179,7 @@ def save_draft(model: Any, folder: str | Path, meta: dict[str, Any]) -> None:
         sd["lm_head.token_ids"] = model.lm_head.token_ids.to(torch.int32).contiguous()
         save_file(sd, str(tmp / DRAFT_FILE))
         (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
@@ -287,11 +288,23 @@ def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor) ->
 
 def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: int = 8192, minutes: float = 28.0,
                 lr: float = 1e-3, warmup: int = 50, tokens_per_batch: int = 2048, ce_weight: float = 0.5,
-                seed: int = 0, progress: bool = True) -> tuple[Any, dict[str, Any]]:
-    """Distil a draft within a wall-clock budget (cosine schedule over the estimated steps)."""
+                val_fraction: float = 0.1, eval_every: int = 100, seed: int = 0,
+                progress: bool = True) -> tuple[Any, dict[str, Any]]:
+    """Distil a draft within a wall-clock budget (cosine schedule over the estimated steps).
+
+    A ``val_fraction`` of the *training* prompts is set aside; every ``eval_every`` steps the
+    greedy agreement on it is measured and the best checkpoint is kept (held-out prompts are
+    never looked at before the final measurement).
+    """
+    import copy
+
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    train_idx = [i for i, s in enumerate(corpus["split"]) if s == "train"]
+    all_train = [i for i, s in enumerate(corpus["split"]) if s == "train"]
+    train_prompts = sorted({corpus["prompt_id"][i] for i in all_train})
+    val_prompts = set(np.random.default_rng(seed).permutation(train_prompts)[: int(val_fraction * len(train_prompts))])
+    val_idx = [i for i in all_train if corpus["prompt_id"][i] in val_prompts and corpus["greedy"][i]]
+    train_idx = [i for i in all_train if corpus["prompt_id"][i] not in val_prompts]
     held_idx = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
     counts = torch.zeros(max(int(t.max()) for t in corpus["ids"]) + 1, dtype=torch.long)
     for i in train_idx:
@@ -310,6 +323,7 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
     t0 = time.time()
     budget = minutes * 60
     step, history = 0, []
+    best: tuple[float, int, Any] = (-1.0, 0, None)
     est_total = None
     while time.time() - t0 < budget:
         for batch in _batches(corpus, train_idx, tokens_per_batch, rng):
@@ -332,6 +346,17 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
                 history.append({"step": step, "minutes": round(elapsed / 60, 2), "kl": round(kl, 4), "ce": round(ce, 4)})
                 if progress:
                     print(f"step {step} {elapsed / 60:.1f} min kl {kl:.3f} ce {ce:.3f}", file=sys.stderr, flush=True)
+            if val_idx and step % eval_every == 0:
+                model.eval()
+                val = agreement(model, corpus, val_idx, pos_of)["overall"]
+                model.train()
+                history.append({"step": step, "val_agreement": round(val, 4)})
+                if progress:
+                    print(f"step {step} validation agreement {val:.3f}", file=sys.stderr, flush=True)
+                if val > best[0]:
+                    best = (val, step, copy.deepcopy(model.state_dict()))
+    if best[2] is not None:
+        model.load_state_dict(best[2])
     model.eval()
     n_train_tokens = sum(len(corpus["topk_ids"][i]) for i in train_idx)
     meta = {
@@ -342,11 +367,14 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
         "lr": lr,
         "tokens_per_batch": tokens_per_batch,
         "steps": step,
+        "best_step": best[1],
+        "validation_agreement": round(best[0], 4),
+        "validation_prompts": len(val_prompts),
         "train_minutes": round((time.time() - t0) / 60, 1),
         "train_tokens": n_train_tokens,
         "train_sequences": len(train_idx),
         "heldout_agreement": agreement(model, corpus, held_idx, pos_of) if held_idx else {},
-        "train_agreement": agreement(model, corpus, train_idx[:200], pos_of),
+        "train_agreement": agreement(model, corpus, [i for i in train_idx if corpus["greedy"][i]][:200], pos_of),
         "history": history,
     }
     return model, meta
@@ -410,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                                   head_size=args.head_size, minutes=args.minutes, lr=args.lr)
         meta["corpus_minutes"] = corpus.get("minutes")
         save_draft(model, args.out, meta)
-        print(json.dumps({k: meta[k] for k in ("steps", "train_minutes", "train_tokens", "heldout_agreement",
+        print(json.dumps({k: meta[k] for k in ("steps", "best_step", "validation_agreement", "train_minutes",
+                                               "train_tokens", "heldout_agreement",
                                                "train_agreement")}, indent=1))
     else:
         corpus = _load_corpora(args.corpus)

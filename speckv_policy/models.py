@@ -41,9 +41,21 @@ def smollm2_path() -> tuple[Path, str]:
     return folder, SMOLLM2_GGUF
 
 
+def is_distilled_draft(spec: str) -> bool:
+    """Whether ``spec`` is a folder written by ``speckv-distill train``."""
+    return spec != SMOLLM2 and (Path(spec) / "draft.json").exists()
+
+
 def model_id(spec: str) -> str:
     """A short identifier for logs."""
-    return SMOLLM2_ID if spec == SMOLLM2 else Path(spec).name
+    if spec == SMOLLM2:
+        return SMOLLM2_ID
+    if is_distilled_draft(spec):
+        import json
+
+        meta = json.loads((Path(spec) / "draft.json").read_text())
+        return f"speckv-distilled-{meta.get('base', 'target')}-layers{'-'.join(map(str, meta['layers']))}"
+    return Path(spec).name
 
 
 def cache_dir() -> Path:
@@ -107,21 +119,32 @@ def load_tokenizer(spec: str) -> Any:
         return None
 
 
-def load_model(spec: str, compression: str = "fp32", device: str = "cpu") -> Any:
+def load_model(spec: str, compression: str = "fp32", device: str = "cpu",
+               llm_int8_threshold: float | None = None) -> Any:
     """Load a causal LM at ``compression`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``nf4``).
 
     INT8 and NF4 go through bitsandbytes (CPU or CUDA); full precision casts
-    to the named dtype.
+    to the named dtype. ``llm_int8_threshold`` overrides bitsandbytes' outlier
+    threshold (6.0); a huge value switches outlier decomposition off, which
+    makes INT8 verification batch-invariant (see docs/hf_hook.md).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    if is_distilled_draft(spec):
+        if compression not in ("fp32", "fp16", "bf16"):
+            raise ValueError("the distilled draft runs in full precision (fp32, bf16 or fp16)")
+        from .draft import load_draft
+
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compression]
+        return load_draft(spec, device=device, dtype=dt)
     path, kw = _source(spec, quantized=compression in ("int8", "nf4"))
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if compression in dtypes:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[compression], **kw).to(device)
     elif compression in ("int8", "nf4"):
         compute = torch.float16 if device.startswith("cuda") else torch.float32
-        q = (BitsAndBytesConfig(load_in_8bit=True) if compression == "int8" else
+        int8_kw = {} if llm_int8_threshold is None else {"llm_int8_threshold": llm_int8_threshold}
+        q = (BitsAndBytesConfig(load_in_8bit=True, **int8_kw) if compression == "int8" else
              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

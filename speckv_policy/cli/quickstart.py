@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_LOG = "datasets/synthetic/steps.parquet"
+DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 KINDS = ("mlp", "gbt", "table", "paper-mlp16", "fixed")
 
 
