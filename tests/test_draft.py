@@ -1,0 +1,61 @@
+"""Draft distillation mechanics on a few real SmolLM2 answers (a tiny corpus, seconds of training)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from speckv_policy.draft import PrunedHead, generate_corpus, load_draft, save_draft, train_draft
+from speckv_policy.profiler import Prompt
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_pruned_head_only_scores_its_tokens():
+    w = torch.randn(3, 4)
+    head = PrunedHead(w, torch.tensor([2, 5, 7]), vocab_size=10)
+    h = torch.randn(2, 4)
+    out = head(h)
+    assert out.shape == (2, 10)
+    assert torch.isinf(out[:, [0, 1, 3, 4, 6, 8, 9]]).all()
+    torch.testing.assert_close(out[:, [2, 5, 7]], h @ w.t())
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    prompts = [Prompt("a", "code", "train", text="Write a Python function that adds two numbers."),
+               Prompt("b", "math", "train", text="What is 12 times 12?"),
+               Prompt("c", "chat", "heldout", text="Why is the sky blue?")]
+    return generate_corpus(prompts, samples=2, max_new_tokens=12, batch_size=4, progress=False)
+
+
+def test_corpus_records_the_targets_distribution(corpus):
+    assert sorted(set(corpus["split"])) == ["heldout", "train"]
+    assert len(corpus["ids"]) == 5  # 2 answers per training prompt, 1 greedy per held-out prompt
+    for i in range(len(corpus["ids"])):
+        n = len(corpus["topk_ids"][i])
+        assert len(corpus["ids"][i]) == corpus["start"][i] + n
+        assert (corpus["topk_logp"][i][:, :-1] >= corpus["topk_logp"][i][:, 1:]).all()  # sorted top-k
+        if corpus["greedy"][i]:  # a greedy answer takes a top-1 token at every position (bf16 logits can tie)
+            answer = corpus["ids"][i][corpus["start"][i]:]
+            hit = corpus["topk_ids"][i] == answer[:, None]
+            assert hit.any(1).all()
+            chosen = corpus["topk_logp"][i][hit]
+            assert torch.equal(chosen, corpus["topk_logp"][i][:, 0])
+
+
+def test_train_save_load_round_trip(corpus, tmp_path):
+    model, meta = train_draft(corpus, head_size=512, minutes=0.05, val_fraction=0.0, progress=False)
+    assert meta["steps"] >= 1 and meta["head_size"] == 512 and meta["layers"] == [0, 1]
+    assert 0.0 <= meta["heldout_agreement"]["overall"] <= 1.0
+    save_draft(model, tmp_path / "d", meta)
+    loaded = load_draft(tmp_path / "d")
+    ids = corpus["ids"][0][None].long()
+    with torch.no_grad():
+        a, b = model(ids).logits, loaded(ids).logits
+    finite = torch.isfinite(a)
+    assert torch.equal(finite, torch.isfinite(b)) and int(finite[0, 0].sum()) == 512
+    np.testing.assert_allclose(a[finite].numpy(), b[finite].numpy(), atol=0.05)  # fp16 storage
+    with pytest.raises(FileNotFoundError, match="a speckv distilled draft"):
+        load_draft(tmp_path)
