@@ -17,6 +17,7 @@ Commands (see ``docs/draft.md``)::
     speckv-distill corpus  --prompts datasets/prompts/prompts.jsonl --out corpus.pt
     speckv-distill train   --corpus corpus.pt --out datasets/smollm2/draft
     speckv-distill eval    --corpus corpus.pt --draft datasets/smollm2/draft
+    speckv-distill cost    --draft datasets/smollm2/draft
 """
 
 from __future__ import annotations
@@ -414,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--layers", default="0,1")
     t.add_argument("--head-size", type=int, default=8192)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--val-fraction", type=float, default=0.1,
+                   help="share of training prompts for checkpoint selection (0: keep the last step)")
+    k = sub.add_parser("cost", help="ms per generated token: draft vs target (fp32, CPU)")
+    k.add_argument("--draft", required=True)
+    k.add_argument("--tokens", type=int, default=32)
     e = sub.add_parser("eval", help="held-out greedy agreement of a shipped draft")
     e.add_argument("--corpus", required=True)
     e.add_argument("--draft", required=True)
@@ -435,12 +441,25 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "train":
         corpus = _load_corpora(args.corpus)
         model, meta = train_draft(corpus, layers=tuple(int(x) for x in args.layers.split(",")),
-                                  head_size=args.head_size, minutes=args.minutes, lr=args.lr)
+                                  head_size=args.head_size, minutes=args.minutes, lr=args.lr,
+                                  val_fraction=args.val_fraction)
         meta["corpus_minutes"] = corpus.get("minutes")
         save_draft(model, args.out, meta)
         print(json.dumps({k: meta[k] for k in ("steps", "best_step", "validation_agreement", "train_minutes",
                                                "train_tokens", "heldout_agreement",
                                                "train_agreement")}, indent=1))
+    elif args.cmd == "cost":
+        from .models import load_model
+
+        ids = torch.randint(100, 5000, (1, 80), generator=torch.Generator().manual_seed(0))
+        result = {}
+        for name, model in (("draft", load_draft(args.draft)), ("target", load_model("smollm2", "fp32"))):
+            model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+            result[f"{name}_ms_per_token"] = round((time.perf_counter() - t0) / args.tokens * 1e3, 2)
+        result["ratio"] = round(result["draft_ms_per_token"] / result["target_ms_per_token"], 3)
+        print(json.dumps(result))
     else:
         corpus = _load_corpora(args.corpus)
         model = load_draft(args.draft)
