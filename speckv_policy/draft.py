@@ -424,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--corpus", required=True)
     e.add_argument("--draft", required=True)
     args = p.parse_args(argv)
+    for path in (getattr(args, "corpus", None) or "").split(","):
+        if path and not os.path.exists(path):
+            print(f"speckv-distill: error: corpus not found: {path} (make one with 'speckv-distill corpus')",
+                  file=sys.stderr)
+            return 2
     torch.set_num_threads(os.cpu_count() or 1)
     if args.cmd == "corpus":
         from .profiler import read_prompts

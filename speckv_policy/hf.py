@@ -116,9 +116,22 @@ class _Decider:
         self.warned = False
         self.fallbacks = 0
         self.source = policy
+        self.load_error: Exception | None = None
         if isinstance(policy, (str, os.PathLike)):
-            policy = RuntimePolicy(policy, fallback_gamma=fallback_gamma)
-        if isinstance(policy, RuntimePolicy):
+            try:  # load strictly: failures must go through this decider's one warning and its count
+                policy = RuntimePolicy(policy)
+            except Exception as exc:
+                self.load_error = exc
+        if self.load_error is not None:
+            self.feature_set = feature_set
+            cands = None
+            error = self.load_error
+
+            def _broken(features: Any) -> int:
+                raise error
+
+            self._fn = _broken
+        elif isinstance(policy, RuntimePolicy):
             self.feature_set = policy.feature_set or feature_set
             cands = policy.candidates
             self._fn = policy.decide
@@ -300,12 +313,7 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         cur = input_ids.shape[-1]
         t0 = c.clock()
         budget = self.main_model_max_length - cur - 1
-        cap = c.max_gamma
-        if c.mode == "fixed":
-            cap = c.plan_fixed()
-        elif c.mode == "truncate":
-            cap = c.max_gamma
-        cap = min(cap, budget)
+        cap = min(c.plan_fixed() if c.mode == "fixed" else c.max_gamma, budget)
         c.current = StepStats(generation=c.generations, step=c.step, context_len=cur, gamma=0, drafted=0)
         if cap <= 0:
             c._verify_t0 = c.clock()
@@ -473,6 +481,8 @@ def attach(
         fs = get_feature_set(feature_set) if feature_set else None
         decider = _Decider(policy, fs, max_gamma, fallback_gamma)
         want = PAPER if mode == "truncate" else ONLINE
+        if decider.feature_set is None and decider.load_error is not None:
+            decider.feature_set = want  # unreadable policy file: every step falls back anyway
         if decider.feature_set is None:
             raise ValueError("a callable policy needs feature_set= ('online' or 'paper')")
         if decider.feature_set.name != want.name:

@@ -99,10 +99,10 @@ def load_saved_policy(path: str | os.PathLike[str]) -> GammaPolicy:
     """Load a joblib-saved policy, checking that it is a fitted GammaPolicy."""
     from sklearn.utils.validation import check_is_fitted
 
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"saved policy not found: {path}")
     try:
         obj = joblib.load(path)
-    except FileNotFoundError:
-        raise
     except Exception as exc:
         raise ValueError(f"{path}: not a readable joblib file ({exc})") from exc
     if not isinstance(obj, GammaPolicy):

@@ -59,3 +59,11 @@ def test_train_save_load_round_trip(corpus, tmp_path):
     np.testing.assert_allclose(a[finite].numpy(), b[finite].numpy(), atol=0.05)  # fp16 storage
     with pytest.raises(FileNotFoundError, match="a speckv distilled draft"):
         load_draft(tmp_path)
+
+
+def test_cli_names_a_missing_corpus(tmp_path, capsys):
+    from speckv_policy.draft import main
+
+    assert main(["train", "--corpus", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "d")]) == 2
+    assert "corpus not found" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

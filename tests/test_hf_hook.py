@@ -205,10 +205,12 @@ def test_corrupt_onnx_file_generation_still_runs(pair, tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x08\x07garbage")
     ids = torch.tensor([[1, 2, 3]])
-    with pytest.warns(PolicyFallbackWarning):
-        with attach(target, str(bad), compression="fp32", feature_set="online", fallback_gamma=3):
+    with pytest.warns(PolicyFallbackWarning) as rec:
+        with attach(target, str(bad), compression="fp32", fallback_gamma=3) as h:
             out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
     assert torch.equal(out, _greedy(target, ids, 20))
+    assert len([r for r in rec if r.category is PolicyFallbackWarning]) == 1
+    assert h.summary()["fallbacks"] == len(h.stats) and h.stats[0].gamma == 3
 
 
 def test_clear_errors(pair, fitted):
