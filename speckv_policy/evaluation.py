@@ -1,0 +1,299 @@
+"""Offline counterfactual evaluation of gamma policies on logged steps.
+
+Every figure is computed on the held-out prompts' steps whose outcome is known for every
+candidate gamma (the step drafted at least ``max_gamma`` tokens, so the accepted length
+tells what any gamma up to ``max_gamma`` would have yielded). Per step:
+
+* a policy choosing ``g`` gets ``min(accepted, g) + 1`` tokens in ``cost.step_ms(g)``;
+* the **oracle in hindsight** chooses ``g = accepted`` (every drafted token accepted,
+  nothing wasted);
+* **fixed gamma** ``g`` chooses ``g`` everywhere; the **best fixed gamma** is the one with
+  the highest tokens/s on the rows being summarised (chosen in hindsight, per group).
+
+Tokens/s is a throughput: total tokens over total modelled time. Confidence intervals
+come from a paired bootstrap over prompts (every step of a resampled prompt comes along,
+at every compression level, for every policy and reference alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pandas as pd
+
+from .objective import CostModel, tokens_if
+from .schema import COMPRESSION_CODES
+
+ChooseFn = Callable[[pd.DataFrame], np.ndarray]
+
+
+@dataclass
+class EvalSet:
+    """Held-out steps with known outcomes, and features per feature set.
+
+    Attributes
+    ----------
+    rows : pandas.DataFrame
+        ``prompt_id``, ``task_type``, ``compression``, ``decoding``, ``accepted``,
+        ``drafted``, ``code`` (compression code) and ``conf_first`` per step.
+    features : dict of str to pandas.DataFrame
+        Feature matrices aligned with ``rows``, keyed by feature-set name.
+    max_gamma : int
+        Largest gamma whose outcome every row knows.
+    """
+
+    rows: pd.DataFrame
+    features: dict[str, pd.DataFrame] = field(default_factory=dict)
+    max_gamma: int = 8
+
+
+def evaluation_set(log: pd.DataFrame, feature_sets: tuple[str, ...] = ("online", "paper"),
+                   max_gamma: int = 8, split: str = "heldout") -> EvalSet:
+    """Select the ``split`` steps that drafted at least ``max_gamma`` tokens.
+
+    Features are computed over the whole log first (the online state of a step
+    depends on the steps before it in its run), then restricted to those rows.
+
+    Raises
+    ------
+    ValueError
+        If no step qualifies.
+    """
+    from .features import features_from_log
+
+    if max_gamma < 1:
+        raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+    feats = {}
+    index = None
+    for name in feature_sets:
+        X, _, _ = features_from_log(log, name)
+        feats[name] = X
+        index = X.index if index is None else index.intersection(X.index)
+    assert index is not None
+    sub = log.loc[index]
+    keep = (sub["split"] == split).to_numpy() & (sub["gamma"].to_numpy() >= max_gamma)
+    if not keep.any():
+        raise ValueError(f"no {split} steps drafted >= {max_gamma} tokens; profile with gamma_max >= {max_gamma}")
+    sub = sub[keep]
+    rows = pd.DataFrame({
+        "prompt_id": sub["prompt_id"].to_numpy(),
+        "task_type": sub["task_type"].to_numpy(),
+        "compression": sub["compression"].to_numpy(),
+        "decoding": sub["decoding"].to_numpy(),
+        "accepted": sub["accepted"].to_numpy(np.int64),
+        "drafted": sub["gamma"].to_numpy(np.int64),
+        "code": sub["compression"].map(COMPRESSION_CODES).to_numpy(np.int64),
+        "conf_first": np.array([float(c[0]) for c in sub["draft_confidence"]]),
+    })
+    features = {k: v.loc[sub.index].reset_index(drop=True) for k, v in feats.items()}
+    return EvalSet(rows, features, max_gamma)
+
+
+def step_outcomes(chosen: np.ndarray, rows: pd.DataFrame, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and modelled time (ms or target steps) per step for choices ``chosen``.
+
+    A choice beyond the drafted length is credited ``drafted + 1`` tokens, the
+    tokens known for certain (never flattering a longer choice).
+    """
+    chosen = np.asarray(chosen, dtype=np.int64)
+    acc, drafted = rows["accepted"].to_numpy(), rows["drafted"].to_numpy()
+    tok = tokens_if(chosen, acc, drafted)
+    tok = np.where(np.isnan(tok), drafted + 1.0, tok)
+    return tok.astype(np.float64), cost.step_ms(chosen, rows["code"].to_numpy()).astype(np.float64)
+
+
+def oracle_choices(rows: pd.DataFrame, max_gamma: int) -> np.ndarray:
+    """Per step, the best gamma knowing the outcome: the accepted length (capped)."""
+    return np.minimum(rows["accepted"].to_numpy(np.int64), max_gamma)
+
+
+@dataclass
+class Arm:
+    """Per-step tokens and time of one strategy (a policy or a reference)."""
+
+    name: str
+    tokens: np.ndarray
+    time: np.ndarray
+    chosen: np.ndarray
+    kind: str = "policy"  # "policy", "oracle" or "fixed"
+
+
+def throughput(tokens: np.ndarray, time: np.ndarray, unit: str) -> float:
+    """Total tokens over total time, per second (``ms``) or per target step."""
+    scale = 1000.0 if unit == "ms" else 1.0
+    t = float(np.sum(time))
+    return scale * float(np.sum(tokens)) / t if t > 0 else float("nan")
+
+
+def reference_arms(rows: pd.DataFrame, cost: CostModel, max_gamma: int) -> list[Arm]:
+    """The oracle in hindsight and fixed gamma 0..max_gamma."""
+    arms = []
+    g = oracle_choices(rows, max_gamma)
+    arms.append(Arm("oracle", *step_outcomes(g, rows, cost), g, kind="oracle"))
+    for k in range(max_gamma + 1):
+        g = np.full(len(rows), k, dtype=np.int64)
+        arms.append(Arm(f"fixed-{k}", *step_outcomes(g, rows, cost), g, kind="fixed"))
+    return arms
+
+
+def summarize(arms: list[Arm], mask: np.ndarray, unit: str, fixed4: str = "fixed-4") -> dict[str, Any]:
+    """Tokens/step, tokens/s and ratios for the rows in ``mask``.
+
+    Returns a dict with ``rows``, ``best_fixed`` (name of the best fixed arm on
+    these rows) and ``arms``: name -> {tokens_per_step, tokens_per_second,
+    mean_gamma, vs_oracle, vs_best_fixed, vs_fixed4}.
+    """
+    per = {}
+    for a in arms:
+        per[a.name] = {
+            "tokens_per_step": float(np.mean(a.tokens[mask])),
+            "tokens_per_second": throughput(a.tokens[mask], a.time[mask], unit),
+            "mean_gamma": float(np.mean(a.chosen[mask])),
+        }
+    fixed = [a.name for a in arms if a.kind == "fixed"]
+    best = max(fixed, key=lambda n: per[n]["tokens_per_second"])
+    refs = {"vs_oracle": "oracle", "vs_best_fixed": best, "vs_fixed4": fixed4}
+    for v in per.values():
+        for key, ref in refs.items():
+            v[key] = v["tokens_per_second"] / per[ref]["tokens_per_second"]
+    return {"rows": int(mask.sum()), "best_fixed": best, "arms": per}
+
+
+def paired_bootstrap(arms: list[Arm], clusters: np.ndarray, mask: np.ndarray, *, n_resamples: int = 10_000,
+                     seed: int = 0, unit: str = "ms", fixed4: str = "fixed-4",
+                     level: float = 0.95) -> dict[str, dict[str, Any]]:
+    """Paired bootstrap over clusters (prompts) of tokens/s and of ratios.
+
+    Each resample draws prompts with replacement; every arm is evaluated on the
+    same resample. ``vs_best_fixed`` compares with the best fixed gamma *of that
+    resample* (chosen in hindsight each time, so the comparison never favours a
+    policy by fixing the reference on the full sample).
+
+    Returns
+    -------
+    dict
+        name -> {``tokens_per_second_ci``: [lo, hi], ``vs_fixed4`` and
+        ``vs_best_fixed``: {``ratio``, ``ci``, ``p_value``}} for policy arms
+        (references get only their tokens/s interval). The p-value is two-sided
+        for "ratio = 1": ``2 (1 + min(#ratio <= 1, #ratio >= 1)) / (B + 1)``,
+        capped at 1.
+    """
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    codes, inverse = np.unique(np.asarray(clusters)[mask], return_inverse=True)
+    n_clusters = len(codes)
+    if n_clusters < 2:
+        raise ValueError(f"a bootstrap over prompts needs >= 2 prompts, got {n_clusters}")
+    rng = np.random.default_rng(seed)
+    # resample weights: how often each cluster is drawn, (B, C)
+    draws = rng.integers(0, n_clusters, size=(n_resamples, n_clusters))
+    weights = np.zeros((n_resamples, n_clusters), dtype=np.float64)
+    np.add.at(weights, (np.repeat(np.arange(n_resamples), n_clusters), draws.ravel()), 1.0)
+    scale = 1000.0 if unit == "ms" else 1.0
+
+    def per_cluster(x: np.ndarray) -> np.ndarray:
+        return np.bincount(inverse, weights=x[mask], minlength=n_clusters)
+
+    tps: dict[str, np.ndarray] = {}
+    full: dict[str, float] = {}
+    for a in arms:
+        tk, tm = per_cluster(a.tokens), per_cluster(a.time)
+        tps[a.name] = scale * (weights @ tk) / (weights @ tm)
+        full[a.name] = scale * tk.sum() / tm.sum()
+    fixed = [a.name for a in arms if a.kind == "fixed"]
+    best_full = max(fixed, key=lambda n: full[n])
+    best_each = np.max(np.column_stack([tps[n] for n in fixed]), axis=1)
+    lo_q, hi_q = (1 - level) / 2, 1 - (1 - level) / 2
+    out: dict[str, dict[str, Any]] = {}
+    for a in arms:
+        d: dict[str, Any] = {"tokens_per_second_ci": np.quantile(tps[a.name], [lo_q, hi_q]).tolist()}
+        if a.kind == "policy":
+            for key, ref_full, ref_boot in (("vs_fixed4", full[fixed4], tps[fixed4]),
+                                            ("vs_best_fixed", full[best_full], best_each)):
+                r = tps[a.name] / ref_boot
+                n_le, n_ge = int(np.sum(r <= 1.0)), int(np.sum(r >= 1.0))
+                d[key] = {
+                    "ratio": full[a.name] / ref_full,
+                    "ci": np.quantile(r, [lo_q, hi_q]).tolist(),
+                    "p_value": min(1.0, 2.0 * (1 + min(n_le, n_ge)) / (n_resamples + 1)),
+                }
+        out[a.name] = d
+    return out
+
+
+def group_masks(rows: pd.DataFrame) -> dict[str, np.ndarray]:
+    """Boolean masks: ``overall``, each compression, each task type, each pair."""
+    masks = {"overall": np.ones(len(rows), dtype=bool)}
+    comps = [c for c in COMPRESSION_CODES if c in set(rows["compression"])]
+    tasks = sorted(set(rows["task_type"]))
+    for c in comps:
+        masks[c] = (rows["compression"] == c).to_numpy()
+    for t in tasks:
+        masks[t] = (rows["task_type"] == t).to_numpy()
+    for c in comps:
+        for t in tasks:
+            m = masks[c] & masks[t]
+            if m.any():
+                masks[f"{c}/{t}"] = m
+    return masks
+
+
+def evaluate(eval_set: EvalSet, policies: Mapping[str, tuple[str, ChooseFn]], *, policy_cost: CostModel,
+             reference_cost: CostModel | None = None, n_resamples: int = 10_000, seed: int = 0) -> dict[str, Any]:
+    """Evaluate ``policies`` (name -> (feature set, choose function)) on ``eval_set``.
+
+    ``policy_cost`` prices the policies' choices (usually with
+    ``decision_draft_tokens=1``: a policy that reads the first draft token pays
+    it even when it then chooses 0); ``reference_cost`` prices the oracle and
+    fixed gammas (default: ``policy_cost`` with ``decision_draft_tokens=0``).
+
+    Returns
+    -------
+    dict
+        ``groups``: group -> :func:`summarize` result; ``bootstrap``: group ->
+        :func:`paired_bootstrap` result for ``overall``, each compression level
+        and each task type; ``gamma_histogram``: policy -> compression -> counts
+        of gamma 0..max; plus ``rows``, ``prompts``, ``max_gamma``.
+    """
+    from dataclasses import replace
+
+    rows = eval_set.rows
+    ref_cost = reference_cost or replace(policy_cost, decision_draft_tokens=0)
+    if ref_cost.unit != policy_cost.unit:
+        raise ValueError("policy_cost and reference_cost must use the same unit")
+    arms = reference_arms(rows, ref_cost, eval_set.max_gamma)
+    for name, (fs, choose) in policies.items():
+        if fs not in eval_set.features:
+            raise ValueError(f"policy {name!r} needs feature set {fs!r}, not computed for this evaluation")
+        g = np.asarray(choose(eval_set.features[fs]), dtype=np.int64).reshape(-1)
+        if g.shape[0] != len(rows):
+            raise ValueError(f"policy {name!r} returned {g.shape[0]} choices for {len(rows)} rows")
+        if (g < 0).any():
+            raise ValueError(f"policy {name!r} returned a negative gamma")
+        arms.append(Arm(name, *step_outcomes(g, rows, policy_cost), g, kind="policy"))
+    masks = group_masks(rows)
+    unit = policy_cost.unit
+    result: dict[str, Any] = {
+        "rows": len(rows),
+        "prompts": int(rows["prompt_id"].nunique()),
+        "max_gamma": eval_set.max_gamma,
+        "unit": "tokens/s" if unit == "ms" else "tokens per target step",
+        "groups": {k: summarize(arms, m, unit) for k, m in masks.items()},
+        "bootstrap": {},
+        "n_resamples": n_resamples,
+    }
+    for k, m in masks.items():
+        if "/" in k or rows.loc[m, "prompt_id"].nunique() < 2:
+            continue
+        result["bootstrap"][k] = paired_bootstrap(arms, rows["prompt_id"].to_numpy(), m, n_resamples=n_resamples,
+                                                  seed=seed, unit=unit)
+    hist: dict[str, dict[str, list[int]]] = {}
+    for a in arms:
+        if a.kind != "policy":
+            continue
+        hist[a.name] = {c: np.bincount(a.chosen[masks[c]], minlength=eval_set.max_gamma + 1).tolist()
+                        for c in COMPRESSION_CODES if c in masks}
+    result["gamma_histogram"] = hist
+    return result

@@ -1,0 +1,147 @@
+"""Offline evaluator: oracle, best fixed gamma, paired bootstrap, speckv-eval end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from speckv_policy.cli import evaluate as eval_cli
+from speckv_policy.evaluation import (EvalSet, evaluate, evaluation_set, oracle_choices, paired_bootstrap,
+                                      reference_arms, step_outcomes, summarize)
+from speckv_policy.logs import write_log
+from speckv_policy.objective import CostModel
+
+ROOT = Path(__file__).resolve().parents[1]
+# relative cost: a step drafting g tokens costs 1 + 0.1 g (draft) + 0.05 g (verify) target steps
+COST = CostModel.relative(draft_cost=0.1, verify_cost_per_token=0.05)
+
+
+def hand_rows(accepted=(0, 3, 8, 1), prompts=("a", "a", "b", "b"), compression="fp16") -> pd.DataFrame:
+    n = len(accepted)
+    return pd.DataFrame({"prompt_id": list(prompts), "task_type": ["code"] * n, "compression": [compression] * n,
+                         "decoding": ["greedy"] * n, "accepted": np.array(accepted, dtype=np.int64),
+                         "drafted": np.full(n, 8, dtype=np.int64), "code": np.zeros(n, dtype=np.int64),
+                         "conf_first": np.linspace(0.1, 0.9, n)})
+
+
+def test_oracle_and_fixed_gammas_by_hand():
+    rows = hand_rows()
+    assert oracle_choices(rows, 8).tolist() == [0, 3, 8, 1]
+    tokens, time = step_outcomes(np.array([0, 3, 8, 1]), rows, COST)
+    assert tokens.tolist() == [1, 4, 9, 2]
+    assert time == pytest.approx([1.0, 1.45, 2.2, 1.15])
+    s = summarize(reference_arms(rows, COST, 8), np.ones(4, bool), COST.unit)
+    arms = s["arms"]
+    assert arms["oracle"]["tokens_per_second"] == pytest.approx(16 / 5.8)
+    # fixed g: tokens sum(min(acc, g) + 1) over 4 * (1 + 0.15 g)
+    expect = {0: 4 / 4.0, 1: 7 / 4.6, 2: 9 / 5.2, 3: 11 / 5.8, 4: 12 / 6.4, 8: 16 / 8.8}
+    for g, v in expect.items():
+        assert arms[f"fixed-{g}"]["tokens_per_second"] == pytest.approx(v)
+    assert s["best_fixed"] == "fixed-3"
+    assert arms["fixed-4"]["vs_best_fixed"] == pytest.approx((12 / 6.4) / (11 / 5.8))
+    assert arms["oracle"]["vs_fixed4"] == pytest.approx((16 / 5.8) / (12 / 6.4))
+    assert arms["fixed-2"]["tokens_per_step"] == pytest.approx(9 / 4)
+
+
+def test_censored_choice_is_credited_only_known_tokens():
+    rows = hand_rows(accepted=(2,), prompts=("a",))
+    rows["drafted"] = 2  # fully accepted draft of 2: gamma 5 would have given >= 3 tokens, credit 3
+    tokens, _ = step_outcomes(np.array([5]), rows, COST)
+    assert tokens.tolist() == [3.0]
+
+
+def _eval(rows, choose, **kw):
+    es = EvalSet(rows, {"online": pd.DataFrame({"i": np.arange(len(rows))})}, max_gamma=8)
+    return evaluate(es, {"p": ("online", choose)}, policy_cost=COST, **kw)
+
+
+def test_policy_equal_to_fixed4_has_ratio_one_and_p_one():
+    rows = hand_rows(accepted=(0, 3, 8, 1, 2, 5), prompts=("a", "a", "b", "b", "c", "c"))
+    res = _eval(rows, lambda X: np.full(len(X), 4), n_resamples=500)
+    b = res["bootstrap"]["overall"]["p"]["vs_fixed4"]
+    assert b["ratio"] == pytest.approx(1.0) and b["ci"] == pytest.approx([1.0, 1.0]) and b["p_value"] == 1.0
+
+
+def test_policy_better_on_every_prompt_has_smallest_p():
+    rows = hand_rows(accepted=(0, 3, 8, 1, 2, 5), prompts=("a", "a", "b", "b", "c", "c"))
+    oracle = oracle_choices(rows, 8)
+    res = _eval(rows, lambda X: oracle, n_resamples=999)
+    b = res["bootstrap"]["overall"]["p"]
+    assert b["vs_fixed4"]["ci"][0] > 1.0 and b["vs_fixed4"]["p_value"] == pytest.approx(2 / 1000)
+    assert b["vs_best_fixed"]["ci"][0] > 1.0
+    assert res["groups"]["overall"]["arms"]["p"]["vs_oracle"] == pytest.approx(1.0)
+
+
+def test_bootstrap_resamples_whole_prompts():
+    # prompt a: every strategy 1 token per step; prompt b: long accepted runs. With all weight on
+    # one prompt a resample's ratio is that prompt's ratio, so the CI spans exactly the two extremes.
+    rows = hand_rows(accepted=(0, 0, 8, 8), prompts=("a", "a", "b", "b"))
+    arms = reference_arms(rows, COST, 8)
+    out = paired_bootstrap(arms, rows["prompt_id"].to_numpy(), np.ones(4, bool), n_resamples=2000, unit=COST.unit)
+    lo, hi = out["fixed-4"]["tokens_per_second_ci"]
+    assert lo == pytest.approx(1 / 1.6) and hi == pytest.approx(5 / 1.6)
+    with pytest.raises(ValueError, match=">= 2 prompts"):
+        paired_bootstrap(arms, np.array(["a"] * 4), np.ones(4, bool), n_resamples=10)
+
+
+def test_best_fixed_in_bootstrap_is_rechosen_per_resample():
+    # prompt a favours gamma 0, prompt b favours gamma 8: the per-resample best fixed gamma beats any
+    # single fixed gamma, so a policy equal to fixed-8 never has a ratio above 1 against it.
+    rows = hand_rows(accepted=(0, 0, 8, 8), prompts=("a", "a", "b", "b"))
+    res = _eval(rows, lambda X: np.full(len(X), 8), n_resamples=2000)
+    b = res["bootstrap"]["overall"]["p"]["vs_best_fixed"]
+    assert b["ci"][1] <= 1.0 + 1e-12
+
+
+def test_groups_and_histogram():
+    rows = pd.concat([hand_rows(), hand_rows(prompts=("c", "c", "d", "d"), compression="nf4")], ignore_index=True)
+    rows.loc[4:, "code"] = 2
+    res = _eval(rows, lambda X: np.array([1, 2, 2, 8, 0, 0, 1, 1]), n_resamples=100)
+    assert {"overall", "fp16", "nf4", "code", "fp16/code", "nf4/code"} <= set(res["groups"])
+    assert res["gamma_histogram"]["p"]["fp16"][:3] == [0, 1, 2] and res["gamma_histogram"]["p"]["nf4"][:2] == [2, 2]
+    assert res["groups"]["nf4"]["rows"] == 4 and res["prompts"] == 4
+
+
+def test_evaluation_set_uses_heldout_fully_drafted_steps(synthetic):
+    log = synthetic[0]
+    es = evaluation_set(log, ("online", "paper"), max_gamma=8)
+    held = set(log.loc[log["split"] == "heldout", "prompt_id"])
+    assert set(es.rows["prompt_id"]) <= held and (es.rows["drafted"] >= 8).all()
+    expected = int(((log["split"] == "heldout") & (log["gamma"] >= 8)).sum())
+    assert len(es.rows) == expected == len(es.features["online"]) == len(es.features["paper"])
+    with pytest.raises(ValueError, match="drafted >= 99"):
+        evaluation_set(log, ("online",), max_gamma=99)
+
+
+def test_speckv_eval_cli_end_to_end(synthetic, tmp_path, capsys):
+    log_path = tmp_path / "steps.parquet"
+    write_log(synthetic[0], log_path)
+    out = tmp_path / "eval"
+    policies = sorted(str(p) for p in (ROOT / "exported").glob("synthetic-*.onnx"))
+    assert eval_cli.main(["--log", str(log_path), "--policy", *policies, "--out", str(out),
+                          "--bootstrap", "300"]) == 0
+    text = capsys.readouterr().out
+    assert "synthetic-gbt" in text and "x best fixed" in text
+    res = json.loads((out / "eval.json").read_text())
+    assert set(res["policies"]) == {Path(p).stem for p in policies}
+    ov = res["groups"]["overall"]["arms"]
+    assert ov["oracle"]["vs_oracle"] == pytest.approx(1.0)
+    assert all(ov[n]["tokens_per_second"] <= ov["oracle"]["tokens_per_second"] + 1e-9 for n in ov)
+    md = (out / "eval.md").read_text()
+    assert "| **synthetic-gbt** |" in md and "95% CI" in md
+    for png in ("acceptance_vs_confidence.png", "gamma_histogram.png", "tokens_per_second.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_speckv_eval_clear_errors(synthetic, tmp_path, capsys):
+    log_path = tmp_path / "steps.parquet"
+    write_log(synthetic[0], log_path)
+    assert eval_cli.main(["--log", str(log_path), "--policy", str(tmp_path / "none.onnx")]) == 2
+    assert "policy not found" in capsys.readouterr().err
+    assert eval_cli.main(["--log", str(tmp_path / "missing.parquet"), "--policy",
+                          str(ROOT / "exported" / "synthetic-gbt.onnx")]) == 2
+    assert "missing.parquet" in capsys.readouterr().err
