@@ -398,6 +398,13 @@ def _load_corpora(paths: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="speckv-distill", description="Distil a draft for SmolLM2-135M-Instruct.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("prompts", help="template prompts for distillation (training only; the target writes the "
+                                         "summarization passages)")
+    g.add_argument("--heldout", default="datasets/prompts/prompts.jsonl",
+                   help="prompt file whose held-out prompts must not be repeated")
+    g.add_argument("--out", required=True)
+    g.add_argument("--per-task", type=int, default=220)
+    g.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("corpus", help="let the target answer the prompts; record its top-k distributions")
     c.add_argument("--prompts", required=True)
     c.add_argument("--out", required=True)
@@ -430,7 +437,15 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     torch.set_num_threads(os.cpu_count() or 1)
-    if args.cmd == "corpus":
+    if args.cmd == "prompts":
+        from .draft_prompts import build_distill_prompts, write_prompt_file
+        from .profiler import read_prompts
+
+        held = {p.text for p in read_prompts(args.heldout) if p.split == "heldout"}
+        records = build_distill_prompts(args.per_task, seed=args.seed, heldout_texts=held)
+        write_prompt_file(records, args.out)
+        print(f"prompts: {len(records)} training prompts -> {args.out}")
+    elif args.cmd == "corpus":
         from .profiler import read_prompts
 
         t0 = time.time()
