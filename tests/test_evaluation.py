@@ -145,3 +145,23 @@ def test_speckv_eval_clear_errors(synthetic, tmp_path, capsys):
     assert eval_cli.main(["--log", str(tmp_path / "missing.parquet"), "--policy",
                           str(ROOT / "exported" / "synthetic-gbt.onnx")]) == 2
     assert "missing.parquet" in capsys.readouterr().err
+
+
+def test_speckv_eval_takes_joblib_policies_and_matches_onnx(synthetic, tmp_path, capsys):
+    from speckv_policy.export import export_onnx
+    from speckv_policy.training import fit_from_log, make_policy, save_policy
+
+    log = synthetic[0]
+    log_path = tmp_path / "steps.parquet"
+    write_log(log, log_path)
+    policy = fit_from_log(make_policy("table", cost_model=CostModel.fit(log, decision_draft_tokens=1)), log)
+    save_policy(policy, tmp_path / "table.joblib")
+    export_onnx(policy, tmp_path / "table_onnx.onnx")
+    out = tmp_path / "eval"
+    assert eval_cli.main(["--log", str(log_path), "--policy", str(tmp_path / "table.joblib"),
+                          str(tmp_path / "table_onnx.onnx"), "--out", str(out), "--bootstrap", "50",
+                          "--no-plots"]) == 0
+    res = json.loads((out / "eval.json").read_text())
+    a, b = res["groups"]["overall"]["arms"]["table"], res["groups"]["overall"]["arms"]["table_onnx"]
+    assert a["tokens_per_second"] == pytest.approx(b["tokens_per_second"])  # same decisions from Python and ONNX
+    assert not (out / "gamma_histogram.png").exists()

@@ -1,0 +1,100 @@
+"""benchmarks/e2e.py end to end on a tiny random pair (smoke: mechanics, not speed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speckv_policy.tiny import save_tiny_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_e2e():
+    spec = importlib.util.spec_from_file_location("speckv_e2e", ROOT / "benchmarks" / "e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["speckv_e2e"] = mod  # dataclasses look their module up here
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return _load_e2e()
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("e2e")
+    target, draft = save_tiny_pair(d)
+    rng = np.random.default_rng(0)
+    lines = []
+    for i, task in enumerate(("code", "math", "chat", "summarization")):
+        for split in ("train", "heldout") if task in ("code", "chat") else ("train",):
+            ids = rng.integers(1, 64, size=int(rng.integers(3, 8))).tolist()
+            lines.append(json.dumps({"id": f"{task}-{split}", "task_type": task, "split": split, "input_ids": ids}))
+    (d / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    return d, target, draft
+
+
+def test_e2e_smoke_on_tiny_pair(e2e, tiny_setup, capsys):
+    d, target, draft = tiny_setup
+    doc = d / "bench.md"
+    doc.write_text("# Benchmarks\n\nkept text\n")
+    args = ["--target", str(target), "--draft", str(draft), "--prompts", str(d / "prompts.jsonl"),
+            "--per-task", "1", "--compressions", "fp32", "--decodings", "greedy,sampling", "--max-new-tokens", "6",
+            "--policy-prefix", "synthetic-", "--out", str(d / "e2e.json"), "--plot", str(d / "e2e.png"),
+            "--doc", str(doc)]
+    assert e2e.main(args) == 0
+    res = json.loads((d / "e2e.json").read_text())
+    expected = {"target", "fixed-2", "fixed-4", "fixed-6", "fixed-8", "hf-default", "hf-heuristic", "adaedl",
+                "mlp16", "mlp-upfront", "mlp-pertoken", "gbt-upfront", "gbt-pertoken", "table-upfront",
+                "table-pertoken"}
+    assert set(res["arms"]) == expected
+    assert res["mismatches"] == []  # every greedy arm reproduced the target's greedy output
+    runs = res["runs"]
+    assert len(runs) == 2 * 2 * len(expected)  # 2 decodings x 2 held-out prompts x arms
+    assert {r["prompt_id"] for r in runs} == {"code-heldout", "chat-heldout"}  # held-out prompts only
+    assert all(r["tokens"] == 6 and r["seconds"] > 0 for r in runs)
+    assert all(r["fallbacks"] == 0 for r in runs)
+    cell = res["summary"]["fp32/greedy/all"]
+    assert cell["arms"]["target"]["vs_target"] == pytest.approx(1.0)
+    assert cell["best_fixed"] in {"fixed-2", "fixed-4", "fixed-6", "fixed-8"}
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nkept text") and text.count(e2e.BEGIN) == 1
+    assert "### fp32, greedy" in text and "Every greedy run produced exactly" in text
+    assert (d / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+    # a second run replaces the section instead of appending another
+    assert e2e.main(args[:-2] + ["--doc", str(doc), "--arms", "fixed-4,gbt-upfront"]) == 0
+    text = doc.read_text()
+    assert text.count(e2e.BEGIN) == 1 and "hf-heuristic" not in text
+
+
+def test_adaedl_rule(e2e):
+    from speckv_policy.schema import ONLINE
+
+    row = np.zeros(ONLINE.n_features, dtype=np.float32)
+    row[ONLINE.names.index("ema_accept_rate")] = 0.5
+    row[ONLINE.names.index("entropy_first")] = 0.0
+    assert e2e.adaedl_policy(row) == 2  # certain draft: bound 1 >= 0.5, keep drafting
+    row[ONLINE.names.index("entropy_first")] = 2.0  # bound 1 - sqrt(0.4) = 0.37 < 0.5: stop
+    assert e2e.adaedl_policy(row) == 0
+    row[ONLINE.names.index("ema_accept_rate")] = 1.0  # high acceptance lowers the threshold to 0.35
+    assert e2e.adaedl_policy(row) == 2
+
+
+def test_unexplained_mismatches(e2e):
+    ms = ["int8 p1 repeat 0 arm fixed-4: first difference at output token 3",
+          "int8 p1 repeat 0 arm gbt-upfront: first difference at output token 3",
+          "fp32 p2 repeat 0 arm gbt-upfront: first difference at output token 1"]
+    assert e2e.unexplained(ms) == ms[2:]
+
+
+def test_unknown_arm_is_a_clear_error(e2e):
+    with pytest.raises(SystemExit, match="unknown arm"):
+        e2e.make_arms(ROOT / "exported", "smollm2-", ["nope"])
