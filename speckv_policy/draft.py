@@ -289,13 +289,18 @@ def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor) ->
 
 def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: int = 8192, minutes: float = 28.0,
                 lr: float = 1e-3, warmup: int = 50, tokens_per_batch: int = 2048, ce_weight: float = 0.5,
-                val_fraction: float = 0.1, eval_every: int = 100, seed: int = 0,
+                val_fraction: float = 0.1, eval_every: int = 100, seed: int = 0, fit_prefix: str | None = None,
                 progress: bool = True) -> tuple[Any, dict[str, Any]]:
     """Distil a draft within a wall-clock budget (cosine schedule over the estimated steps).
 
     A ``val_fraction`` of the *training* prompts is set aside; every ``eval_every`` steps the
     greedy agreement on it is measured and the best checkpoint is kept (held-out prompts are
     never looked at before the final measurement).
+
+    With ``fit_prefix`` (e.g. ``"gen-"``), only training prompts whose id starts with it are
+    fitted, and the greedy answers of the *other* training prompts select the checkpoint
+    (``val_fraction`` is then unused). The draft then never sees the prompts the policies are
+    trained on, so their acceptance statistics are those of unseen prompts, like the held-out ones.
     """
     import copy
 
@@ -303,7 +308,12 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
     rng = np.random.default_rng(seed)
     all_train = [i for i, s in enumerate(corpus["split"]) if s == "train"]
     train_prompts = sorted({corpus["prompt_id"][i] for i in all_train})
-    val_prompts = set(np.random.default_rng(seed).permutation(train_prompts)[: int(val_fraction * len(train_prompts))])
+    if fit_prefix:
+        val_prompts = {p for p in train_prompts if not p.startswith(fit_prefix)}
+        if len(val_prompts) == len(train_prompts):
+            raise ValueError(f"no training prompt id starts with {fit_prefix!r}")
+    else:
+        val_prompts = set(np.random.default_rng(seed).permutation(train_prompts)[: int(val_fraction * len(train_prompts))])
     val_idx = [i for i in all_train if corpus["prompt_id"][i] in val_prompts and corpus["greedy"][i]]
     train_idx = [i for i in all_train if corpus["prompt_id"][i] not in val_prompts]
     held_idx = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
@@ -371,6 +381,7 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
         "best_step": best[1],
         "validation_agreement": round(best[0], 4),
         "validation_prompts": len(val_prompts),
+        "fit_prefix": fit_prefix,
         "train_minutes": round((time.time() - t0) / 60, 1),
         "train_tokens": n_train_tokens,
         "train_sequences": len(train_idx),
@@ -424,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--val-fraction", type=float, default=0.1,
                    help="share of training prompts for checkpoint selection (0: keep the last step)")
+    t.add_argument("--fit-prefix", default=None,
+                   help="fit only training prompts whose id starts with this (e.g. gen-); the other training "
+                        "prompts select the checkpoint")
     k = sub.add_parser("cost", help="ms per generated token: draft vs target (fp32, CPU)")
     k.add_argument("--draft", required=True)
     k.add_argument("--tokens", type=int, default=32)
@@ -462,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus = _load_corpora(args.corpus)
         model, meta = train_draft(corpus, layers=tuple(int(x) for x in args.layers.split(",")),
                                   head_size=args.head_size, minutes=args.minutes, lr=args.lr,
-                                  val_fraction=args.val_fraction)
+                                  val_fraction=args.val_fraction, fit_prefix=args.fit_prefix)
         meta["corpus_minutes"] = corpus.get("minutes")
         save_draft(model, args.out, meta)
         print(json.dumps({k: meta[k] for k in ("steps", "best_step", "validation_agreement", "train_minutes",
