@@ -386,10 +386,18 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
         "train_tokens": n_train_tokens,
         "train_sequences": len(train_idx),
         "heldout_agreement": agreement(model, corpus, held_idx, pos_of) if held_idx else {},
-        "train_agreement": agreement(model, corpus, [i for i in train_idx if corpus["greedy"][i]][:200], pos_of),
+        "train_agreement": agreement(model, corpus, _spread([i for i in train_idx if corpus["greedy"][i]], 200),
+                                     pos_of),
         "history": history,
     }
     return model, meta
+
+
+def _spread(items: list[int], n: int) -> list[int]:
+    """At most ``n`` items evenly spaced over ``items`` (every task type, not just the first)."""
+    if len(items) <= n:
+        return items
+    return [items[int(k * len(items) / n)] for k in range(n)]
 
 
 # ----------------------------------------------------------------------------- CLI
