@@ -96,11 +96,17 @@ def expected_tokens_from_survival(survival: np.ndarray, candidates: Sequence[int
 class CostModel:
     """Wall-clock cost of one speculation step, per compression code.
 
-    ``step_ms(gamma) = overhead_ms + max(gamma, decision_draft_tokens) * draft_ms_per_token
-    + verify_base_ms + verify_ms_per_token * gamma``: the target verifies
-    ``gamma + 1`` tokens (gamma 0 is a plain target step), and a policy that
-    decides after seeing the first draft token pays that token even when it
-    then chooses gamma 0 (``decision_draft_tokens=1``).
+    ``step_ms(gamma) = overhead_ms + draft(k) + verify(gamma)`` with
+    ``k = max(gamma, decision_draft_tokens)`` draft tokens,
+    ``draft(k) = draft_base_ms + k * draft_ms_per_token`` for ``k >= 1`` (0 for
+    ``k = 0``), and ``verify(gamma) = verify_table_ms[gamma]`` where the table
+    has a value, else ``verify_base_ms + verify_ms_per_token * gamma``. The
+    target verifies ``gamma + 1`` tokens (gamma 0 is a plain target step), and a
+    policy that decides after seeing the first draft token pays that token even
+    when it then chooses gamma 0 (``decision_draft_tokens=1``).
+
+    The table matters on CPUs: a one-token forward (gamma 0) is much cheaper
+    than any multi-token forward, which a line through all gammas misses.
 
     Parameters
     ----------
@@ -112,6 +118,11 @@ class CostModel:
         Fixed per-step overhead (decision, bookkeeping).
     device : str, default="unspecified"
         Device the timings describe.
+    draft_base_ms : tuple of float, default=(0, 0, 0)
+        Fixed cost of a drafting call (paid once per step that drafts >= 1 token).
+    verify_table_ms : tuple of tuple of float, optional
+        Per compression code, the verify time for gamma = 0, 1, ...; gammas past
+        the end of a row use the line.
     unit : str, default="ms"
         ``"ms"`` for measured costs; ``"target_step"`` for the relative default.
     """
@@ -124,6 +135,8 @@ class CostModel:
     device: str = "unspecified"
     unit: str = "ms"
     n_rows: dict[int, int] = field(default_factory=dict, compare=False)
+    draft_base_ms: tuple[float, ...] = (0.0, 0.0, 0.0)
+    verify_table_ms: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token"):
@@ -136,6 +149,15 @@ class CostModel:
             raise ValueError(f"CostModel.verify_base_ms must be > 0, got {self.verify_base_ms!r}")
         if self.decision_draft_tokens not in (0, 1):
             raise ValueError("CostModel.decision_draft_tokens must be 0 or 1")
+        if len(self.draft_base_ms) != N_COMPRESSION_CODES or not all(
+                math.isfinite(v) and v >= 0 for v in self.draft_base_ms):
+            raise ValueError(f"CostModel.draft_base_ms needs {N_COMPRESSION_CODES} finite values >= 0, "
+                             f"got {self.draft_base_ms!r}")
+        if self.verify_table_ms is not None:
+            t = self.verify_table_ms
+            if len(t) != N_COMPRESSION_CODES or len({len(r) for r in t}) != 1 or not all(
+                    math.isfinite(v) and v > 0 for r in t for v in r):
+                raise ValueError("CostModel.verify_table_ms needs 3 rows of equal length of finite values > 0")
 
     @classmethod
     def relative(
@@ -150,13 +172,21 @@ class CostModel:
                    decision_draft_tokens=decision_draft_tokens, unit="target_step")
 
     @classmethod
-    def fit(cls, log: Any, *, device: str | None = None, decision_draft_tokens: int = 0) -> "CostModel":
+    def fit(cls, log: Any, *, device: str | None = None, decision_draft_tokens: int = 0,
+            verify: str = "table", min_rows: int = 5) -> "CostModel":
         """Fit from a step log's ``draft_ms`` and ``verify_ms`` columns.
 
-        Draft cost per token is ``sum(draft_ms) / sum(gamma)``; the verify cost
-        is a least-squares line in the number of draft tokens verified. A level
-        whose rows all verified the same number of tokens borrows the pooled
-        relative slope of the other levels.
+        Drafting: a least-squares line in gamma over steps that drafted (fixed
+        cost per call + cost per token); with one distinct gamma, the cost per
+        token is ``sum(draft_ms) / sum(gamma)``. Verifying: a least-squares line in
+        the number of draft tokens (fitted on steps with gamma >= 1 when there
+        are two such gammas), and with ``verify="table"`` (default) the mean
+        verify time of every gamma logged at least ``min_rows`` times at that
+        level, which then overrides the line there. First steps (``step == 0``)
+        are left out when they are at most half the rows: they also pay the
+        prompt's prefill. A level whose rows all
+        verified the same number of tokens borrows the pooled relative slope of
+        the other levels for its line.
 
         Raises
         ------
@@ -175,12 +205,18 @@ class CostModel:
         df = df[df["device"] == device]
         if len(df) == 0:
             raise ValueError(f"no rows for device {device!r} (devices in log: {', '.join(devices)})")
+        if "step" in df and (df["step"] > 0).sum() >= max(len(df) // 2, 1):
+            df = df[df["step"] > 0]  # a first step also pays the prompt's prefill, whatever gamma it chose
         codes = df["compression"].map(COMPRESSION_CODES).to_numpy()
         gamma = df["gamma"].to_numpy(np.float64)
         dms = df["draft_ms"].to_numpy(np.float64)
         vms = df["verify_ms"].to_numpy(np.float64)
         fits: dict[int, tuple[float, float | None, float]] = {}
         counts: dict[int, int] = {}
+        if verify not in ("table", "line"):
+            raise ValueError(f"verify must be 'table' or 'line', got {verify!r}")
+        draft_base: dict[int, float] = {}
+        tables: dict[int, dict[int, float]] = {}
         for c in range(N_COMPRESSION_CODES):
             m = codes == c
             counts[c] = int(m.sum())
@@ -188,13 +224,22 @@ class CostModel:
                 continue
             g, v = gamma[m], vms[m]
             d = float(dms[m].sum() / g.sum()) if g.sum() > 0 else math.nan
-            if len(np.unique(g)) >= 2:
-                slope, base = np.polyfit(g, v, 1)
+            drafted = g > 0
+            draft_base[c] = 0.0
+            if len(np.unique(g[drafted])) >= 2:
+                d_slope, d_base = np.polyfit(g[drafted], dms[m][drafted], 1)
+                if d_slope > 0 and d_base >= 0:
+                    d, draft_base[c] = float(d_slope), float(d_base)
+            on = g >= 1 if len(np.unique(g[g >= 1])) >= 2 else np.ones_like(g, dtype=bool)
+            if len(np.unique(g[on])) >= 2:
+                slope, base = np.polyfit(g[on], v[on], 1)
                 slope = max(float(slope), 0.0)
-                base = float(np.mean(v - slope * g))
+                base = float(np.mean(v[on] - slope * g[on]))
                 fits[c] = (d, slope, base)
             else:
                 fits[c] = (d, None, float(v.mean()))
+            if verify == "table":
+                tables[c] = {int(k): float(v[g == k].mean()) for k in np.unique(g) if (g == k).sum() >= min_rows}
         if not fits:
             raise ValueError("log has no rows to fit a cost model")
         rel = [s / max(b, 1e-9) for d, s, b in fits.values() if s is not None]
@@ -214,19 +259,35 @@ class CostModel:
                 s = pooled * b
             resolved[c] = (draft_all if math.isnan(d) else d, s, b)
         # a level absent from the log borrows the nearest fitted level's costs
-        full = [resolved[min(resolved, key=lambda k: (abs(k - c), k))] for c in range(N_COMPRESSION_CODES)]
+        near = {c: min(resolved, key=lambda k: (abs(k - c), k)) for c in range(N_COMPRESSION_CODES)}
+        full = [resolved[near[c]] for c in range(N_COMPRESSION_CODES)]
         dr, vs, vb = zip(*full)
+        table = None
+        if tables and any(tables.values()):
+            width = max(max(t) for t in tables.values() if t) + 1
+            table = tuple(
+                tuple(tables.get(near[c], {}).get(k, vb[c] + vs[c] * k) for k in range(width))
+                for c in range(N_COMPRESSION_CODES))
         return cls(tuple(dr), tuple(vb), tuple(vs), decision_draft_tokens=decision_draft_tokens,
-                   device=device, unit="ms", n_rows=counts)
+                   device=device, unit="ms", n_rows=counts,
+                   draft_base_ms=tuple(draft_base.get(near[c], 0.0) for c in range(N_COMPRESSION_CODES)),
+                   verify_table_ms=table)
 
     def step_ms(self, gamma: np.ndarray | Sequence[int] | int, code: np.ndarray | int) -> np.ndarray:
         """Expected step time for ``gamma`` at compression ``code`` (broadcast)."""
         g = np.asarray(gamma, dtype=np.float64)
         c = np.asarray(code, dtype=np.int64)
         d = np.asarray(self.draft_ms_per_token)[c]
+        db = np.asarray(self.draft_base_ms)[c]
         vb = np.asarray(self.verify_base_ms)[c]
         vs = np.asarray(self.verify_ms_per_token)[c]
-        return self.overhead_ms + np.maximum(g, self.decision_draft_tokens) * d + vb + vs * g
+        k = np.maximum(g, self.decision_draft_tokens)
+        verify = vb + vs * g
+        if self.verify_table_ms is not None:
+            table = np.asarray(self.verify_table_ms, dtype=np.float64)
+            gi = np.clip(g, 0, table.shape[1] - 1).astype(np.int64)
+            verify = np.where(g < table.shape[1], table[c, gi], verify)
+        return self.overhead_ms + np.where(k > 0, db + k * d, 0.0) + verify
 
     def time_table(self, candidates: Sequence[int]) -> np.ndarray:
         """Step times, shape (3, G): row = compression code, column = candidate."""
@@ -243,8 +304,11 @@ class CostModel:
     def from_dict(cls, d: dict[str, Any]) -> "CostModel":
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
-        for k in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token"):
-            d[k] = tuple(float(x) for x in d[k])
+        for k in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token", "draft_base_ms"):
+            if k in d:
+                d[k] = tuple(float(x) for x in d[k])
+        if d.get("verify_table_ms") is not None:
+            d["verify_table_ms"] = tuple(tuple(float(x) for x in row) for row in d["verify_table_ms"])
         d["n_rows"] = {int(k): int(v) for k, v in d.get("n_rows", {}).items()}
         return cls(**d)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -101,6 +103,28 @@ def test_cost_model_fit_errors(synthetic):
         CostModel.fit(log, device="tpu")
 
 
+def test_cost_model_table_catches_a_cheap_single_token_step():
+    """A CPU-like log: one-token forwards (gamma 0) cost 40 ms, any multi-token verify ~60 ms + 1/token."""
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    g = rng.integers(0, 9, size=900)
+    verify = np.where(g == 0, 40.0, 60.0 + g) * rng.uniform(0.98, 1.02, size=g.size)
+    draft = np.where(g > 0, 3.0 + 4.0 * g, 0.0)
+    log = pd.DataFrame({"device": "cpu", "compression": "fp32", "gamma": g, "draft_ms": draft,
+                        "verify_ms": verify, "step": np.arange(g.size) % 30 + 1})
+    table = CostModel.fit(log)
+    line = CostModel.fit(log, verify="line")
+    assert table.step_ms(0, 0) == pytest.approx(40.0, rel=0.02)
+    assert line.step_ms(0, 0) > 55.0  # a line through gamma >= 1 misses the cheap plain step
+    assert table.step_ms(4, 0) == pytest.approx(3.0 + 16.0 + 64.0, rel=0.02)
+    assert table.draft_base_ms[0] == pytest.approx(3.0, abs=1e-6) and table.draft_ms_per_token[0] == pytest.approx(4.0)
+    again = CostModel.from_dict(json.loads(table.to_json()))
+    assert again == table
+    with pytest.raises(ValueError, match="'table' or 'line'"):
+        CostModel.fit(log, verify="spline")
+
+
 def test_cost_model_borrows_slope_and_missing_levels(synthetic):
     log = synthetic[0]
     fp16_varied = log[log["compression"] == "fp16"]
@@ -108,8 +132,10 @@ def test_cost_model_borrows_slope_and_missing_levels(synthetic):
     import pandas as pd
 
     cm = CostModel.fit(pd.concat([fp16_varied, int8_fixed]))
-    # int8 verify at gamma 8 must still match its mean, with fp16's relative slope
-    assert cm.step_ms(8, 1) - 8 * cm.draft_ms_per_token[1] == pytest.approx(int8_fixed["verify_ms"].mean(), rel=1e-6)
+    # int8 verify at gamma 8 must still match its mean (first steps, which pay the prefill, left out)
+    later = int8_fixed[int8_fixed["step"] > 0]
+    assert cm.step_ms(8, 1) - 8 * cm.draft_ms_per_token[1] == pytest.approx(later["verify_ms"].mean(), rel=1e-6)
+    assert cm.verify_table_ms[1][8] == pytest.approx(later["verify_ms"].mean(), rel=1e-9)
     # nf4 absent: borrows the nearest level (int8)
     assert cm.verify_base_ms[2] == cm.verify_base_ms[1]
 
