@@ -90,7 +90,8 @@ class StepStats:
 
     ``gamma`` is the number of draft tokens sent to verification, ``drafted``
     the number the draft produced (more when a probe or truncation dropped
-    some), ``accepted`` how many the target kept. Times in ms / us.
+    some), ``accepted`` how many the target kept, ``skipped`` whether probe
+    back-off made it a plain step without asking the policy. Times in ms / us.
     """
 
     generation: int
@@ -103,6 +104,7 @@ class StepStats:
     verify_ms: float = 0.0
     decision_us: float = 0.0
     fallback: bool = False
+    skipped: bool = False
     draft_confidence: list[float] = field(default_factory=list)
     draft_entropy: list[float] = field(default_factory=list)
     draft_token_prob: list[float] = field(default_factory=list)
@@ -198,6 +200,9 @@ class _Controller:
         self._kept = 0
         self._plan = 0
         self._device: torch.device | None = None
+        self.probe_backoff = 0
+        self._skip = 0  # plain steps left before the next probe
+        self._backoff = 0  # current back-off length
 
     # -- sequence / step bookkeeping --------------------------------------
     def begin(self, generation_config: Any, device: torch.device) -> None:
@@ -206,6 +211,24 @@ class _Controller:
         self.generations += 1
         self.step = 0
         self._device = device
+        self._skip = self._backoff = 0
+
+    def skip_probe(self) -> bool:
+        """Whether this step is a plain target step by probe back-off (and count it)."""
+        if self._skip > 0:
+            self._skip -= 1
+            return True
+        return False
+
+    def after_probe(self, gamma: int) -> None:
+        """Back-off bookkeeping after a probed step chose ``gamma``."""
+        if not self.probe_backoff:
+            return
+        if gamma == 0:
+            self._backoff = min(max(1, 2 * self._backoff), self.probe_backoff)
+            self._skip = self._backoff
+        else:
+            self._backoff = 0
 
     def clock(self) -> float:
         if self.sync_cuda and self._device is not None and self._device.type == "cuda":
@@ -315,6 +338,9 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         budget = self.main_model_max_length - cur - 1
         cap = min(c.plan_fixed() if c.mode == "fixed" else c.max_gamma, budget)
         c.current = StepStats(generation=c.generations, step=c.step, context_len=cur, gamma=0, drafted=0)
+        if c.probe_backoff and cap > 0 and c.skip_probe():
+            c.current.skipped = True
+            cap = 0
         if cap <= 0:
             c._verify_t0 = c.clock()
             return input_ids, None
@@ -336,6 +362,7 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
             args["stopping_criteria"] = StoppingCriteriaList([_PolicyStop(c, cur)])
         ids, logits = self._generate_candidates(args)
         gamma = c.finish_draft(logits)
+        c.after_probe(gamma)
         step = c.current
         step.drafted = int(logits.shape[1])
         step.gamma = int(gamma)
@@ -394,6 +421,7 @@ class SpeckvHandle:
             "verify_ms": sum(x.verify_ms for x in s),
             "decision_us_mean": float(np.mean([x.decision_us for x in s])) if s else 0.0,
             "fallbacks": dec.fallbacks if dec is not None else 0,
+            "skipped_probes": sum(x.skipped for x in s),
         }
 
     def stats_records(self) -> list[dict[str, Any]]:
@@ -426,6 +454,7 @@ def attach(
     gamma_fn: Callable[[int], int] | None = None,
     record_tokens: bool = False,
     sync_cuda: bool = True,
+    probe_backoff: int = 0,
 ) -> SpeckvHandle:
     """Make ``target.generate(..., assistant_model=draft)`` consult a gamma policy.
 
@@ -454,6 +483,13 @@ def attach(
         :attr:`SpeckvHandle.stats` (the profiler uses this).
     sync_cuda : bool
         Synchronise CUDA around timings so draft and verify times are exact.
+    probe_backoff : int, default=0
+        ``upfront`` and ``per-token`` modes read the first draft token before
+        deciding, so even a gamma-0 decision pays one draft call. With
+        ``probe_backoff = B > 0``, a probe that ends in gamma 0 makes the next
+        ``b`` steps plain target steps without a probe, ``b`` doubling (1, 2,
+        4, ... up to ``B``) while probes keep ending in 0 and resetting once one
+        drafts. Lossless like every gamma-0 step; 0 switches it off.
 
     Returns
     -------
@@ -467,6 +503,10 @@ def attach(
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if not isinstance(probe_backoff, (int, np.integer)) or probe_backoff < 0:
+        raise ValueError(f"probe_backoff must be an int >= 0, got {probe_backoff!r}")
+    if probe_backoff and mode not in ("upfront", "per-token"):
+        raise ValueError(f"probe_backoff applies to the upfront and per-token modes, not {mode!r}")
     if compression is None:
         compression = detect_compression(target)
     if compression not in COMPRESSIONS:
@@ -493,6 +533,7 @@ def attach(
     if "_get_candidate_generator" in target.__dict__:
         raise RuntimeError("a speckv policy is already attached to this model; detach() it first")
     controller = _Controller(decider, mode, compression, gamma_fn, record_tokens, sync_cuda)
+    controller.probe_backoff = int(probe_backoff)
     original = type(target)._get_candidate_generator
 
     def _get_candidate_generator(generation_config: Any, input_ids: torch.LongTensor, inputs_tensor: Any,

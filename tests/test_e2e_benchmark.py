@@ -54,7 +54,7 @@ def test_e2e_smoke_on_tiny_pair(e2e, tiny_setup, capsys):
     res = json.loads((d / "e2e.json").read_text())
     expected = {"target", "fixed-2", "fixed-4", "fixed-6", "fixed-8", "hf-default", "hf-heuristic", "adaedl",
                 "mlp16", "mlp-upfront", "mlp-pertoken", "gbt-upfront", "gbt-pertoken", "table-upfront",
-                "table-pertoken"}
+                "table-pertoken", "mlp-backoff", "gbt-backoff", "table-backoff"}
     assert set(res["arms"]) == expected
     assert res["mismatches"] == []  # every greedy arm reproduced the target's greedy output
     runs = res["runs"]
@@ -69,6 +69,10 @@ def test_e2e_smoke_on_tiny_pair(e2e, tiny_setup, capsys):
     assert text.startswith("# Benchmarks\n\nkept text") and text.count(e2e.BEGIN) == 1
     assert "### fp32, greedy" in text and "Every greedy run produced exactly" in text
     assert (d / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+    # re-rendering from the saved JSON reproduces the section without running anything
+    before = doc.read_text()
+    assert e2e.main(["--render", str(d / "e2e.json"), "--plot", str(d / "e2e.png"), "--doc", str(doc)]) == 0
+    assert doc.read_text() == before
     # a second run replaces the section instead of appending another
     assert e2e.main(args[:-2] + ["--doc", str(doc), "--arms", "fixed-4,gbt-upfront"]) == 0
     text = doc.read_text()

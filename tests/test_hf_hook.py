@@ -45,6 +45,8 @@ def test_greedy_output_is_the_targets_for_any_gamma_sequence(pair, gammas, mode,
     ref = _greedy(target, ids, n_new)
     fs = "paper" if mode == "truncate" else "online"
     kw = {"gamma_fn": _cycle(gammas)} if mode == "fixed" else {"feature_set": fs}
+    if mode in ("upfront", "per-token") and gammas[0] % 2:
+        kw["probe_backoff"] = 4  # plain steps without a probe are lossless too
     with attach(target, _cycle(gammas), compression="fp32", mode=mode, max_gamma=8, **kw) as h:
         out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
@@ -60,6 +62,30 @@ def test_the_policy_really_sets_gamma(pair):
     assert [s.drafted for s in h.stats[:4]] == [3, 1, 5, 1]  # gamma 0 still drafted the probe token
     acc = h.summary()["acceptance"]
     assert 0.1 < acc < 0.95  # both accept and reject paths ran
+
+
+def test_probe_backoff_skips_probes_after_zero_decisions(pair):
+    target, draft = pair
+    ids = torch.tensor([[1, 2, 3]])
+    ref = _greedy(target, ids, 40)
+    with attach(target, lambda f: 0, compression="fp32", feature_set="online", probe_backoff=4) as h:
+        out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)  # plain steps are lossless
+    # probe, skip 1, probe, skip 2, probe, skip 4, probe, skip 4, ...
+    pattern = [not s.skipped for s in h.stats[:14]]
+    assert pattern == [True, False, True, False, False, True, False, False, False, False, True, False, False, False]
+    assert all(s.drafted == 0 and s.gamma == 0 for s in h.stats if s.skipped)
+    assert h.summary()["skipped_probes"] == sum(s.skipped for s in h.stats) > 0
+    # a probe that drafts resets the back-off: policy alternating 0 and 2 never skips twice in a row
+    with attach(target, _cycle([0, 2]), compression="fp32", feature_set="online", probe_backoff=8) as h:
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, _greedy(target, ids, 30))
+    skipped = [s.skipped for s in h.stats]
+    assert not any(a and b for a, b in zip(skipped, skipped[1:]))
+    with pytest.raises(ValueError, match="probe_backoff applies"):
+        attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 1, probe_backoff=2)
+    with pytest.raises(ValueError, match="probe_backoff must be"):
+        attach(target, lambda f: 0, compression="fp32", feature_set="online", probe_backoff=-1)
 
 
 def _exact_joint(target, ids, vocab):
