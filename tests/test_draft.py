@@ -61,6 +61,17 @@ def test_train_save_load_round_trip(corpus, tmp_path):
         load_draft(tmp_path)
 
 
+def test_fit_prefix_fits_some_prompts_and_validates_on_the_others(corpus):
+    renamed = dict(corpus, prompt_id=["gen-a" if p == "a" else p for p in corpus["prompt_id"]])
+    _, meta = train_draft(renamed, head_size=256, minutes=0.05, fit_prefix="gen-", eval_every=1, progress=False)
+    assert meta["fit_prefix"] == "gen-"
+    assert meta["validation_prompts"] == 1  # prompt "b": a training prompt the draft never fits
+    assert meta["train_sequences"] == 2  # the two answers of gen-a
+    assert 0.0 <= meta["validation_agreement"] <= 1.0
+    with pytest.raises(ValueError, match="no training prompt id starts with 'zzz-'"):
+        train_draft(corpus, head_size=256, minutes=0.05, fit_prefix="zzz-", progress=False)
+
+
 def test_cli_names_a_missing_corpus(tmp_path, capsys):
     from speckv_policy.draft import main
 

@@ -165,3 +165,19 @@ def test_speckv_eval_takes_joblib_policies_and_matches_onnx(synthetic, tmp_path,
     a, b = res["groups"]["overall"]["arms"]["table"], res["groups"]["overall"]["arms"]["table_onnx"]
     assert a["tokens_per_second"] == pytest.approx(b["tokens_per_second"])  # same decisions from Python and ONNX
     assert not (out / "gamma_histogram.png").exists()
+
+
+def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path):
+    """docs/eval/eval.json must be what `speckv-eval` computes from what ships (point estimates)."""
+    shipped = json.loads((ROOT / "docs" / "eval" / "eval.json").read_text())
+    out = tmp_path / "eval"
+    policies = [str(ROOT / p) for p in shipped["policies"].values()]
+    assert eval_cli.main(["--log", str(ROOT / shipped["log"]), "--policy", *policies, "--out", str(out),
+                          "--bootstrap", "20", "--no-plots"]) == 0
+    now = json.loads((out / "eval.json").read_text())
+    assert now["rows"] == shipped["rows"] and now["prompts"] == shipped["prompts"]
+    for group, s in shipped["groups"].items():
+        assert now["groups"][group]["best_fixed"] == s["best_fixed"], group
+        for name, arm in s["arms"].items():
+            assert now["groups"][group]["arms"][name]["tokens_per_second"] == pytest.approx(
+                arm["tokens_per_second"], rel=1e-9), (group, name)
