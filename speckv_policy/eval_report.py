@@ -97,6 +97,21 @@ def markdown(result: dict[str, Any], *, title: str = "Offline evaluation", comma
     return "\n".join(lines)
 
 
+def _save(fig: Any, path: Path) -> None:
+    """Write a figure via a temporary file, so a failed write never replaces a good plot."""
+    import os
+
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(path.stem + ".tmp.png")
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+
+
 def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> list[Path]:
     """Write acceptance_vs_confidence.png, gamma_histogram.png and tokens_per_second.png."""
     import matplotlib
@@ -133,8 +148,7 @@ def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> lis
     fig.suptitle("Acceptance against draft confidence (held-out steps; bins with >= 10 steps)")
     fig.tight_layout()
     written.append(out / "acceptance_vs_confidence.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, written[-1])
 
     names = _policies(result)
     fig, axes = plt.subplots(1, len(comps), figsize=(4.2 * len(comps), 3.6), sharey=True, squeeze=False)
@@ -152,8 +166,7 @@ def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> lis
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     written.append(out / "gamma_histogram.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, written[-1])
 
     ov = result["groups"]["overall"]
     boot = result["bootstrap"].get("overall", {})
@@ -171,6 +184,5 @@ def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> lis
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     written.append(out / "tokens_per_second.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, written[-1])
     return written

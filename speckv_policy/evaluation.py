@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import pandas as pd
 
-from .objective import CostModel, tokens_if
+from .objective import CostModel, tokens_credited
 from .schema import COMPRESSION_CODES
 
 ChooseFn = Callable[[pd.DataFrame], np.ndarray]
@@ -99,8 +99,7 @@ def step_outcomes(chosen: np.ndarray, rows: pd.DataFrame, cost: CostModel) -> tu
     """
     chosen = np.asarray(chosen, dtype=np.int64)
     acc, drafted = rows["accepted"].to_numpy(), rows["drafted"].to_numpy()
-    tok = tokens_if(chosen, acc, drafted)
-    tok = np.where(np.isnan(tok), drafted + 1.0, tok)
+    tok = tokens_credited(chosen, acc, drafted)
     return tok.astype(np.float64), cost.step_ms(chosen, rows["code"].to_numpy()).astype(np.float64)
 
 

@@ -64,6 +64,16 @@ def tokens_if(gamma: int | np.ndarray, accepted: np.ndarray, drafted: np.ndarray
     return np.where(known, np.minimum(n, g) + 1.0, np.nan)
 
 
+def tokens_credited(gamma: int | np.ndarray, accepted: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+    """:func:`tokens_if`, with a censored outcome credited ``drafted + 1`` tokens.
+
+    Those are the tokens known for certain, so a choice longer than the logged
+    draft is never flattered.
+    """
+    tok = tokens_if(gamma, accepted, drafted)
+    return np.where(np.isnan(tok), np.asarray(drafted) + 1.0, tok)
+
+
 def survival_observations(
     accepted: np.ndarray, drafted: np.ndarray, max_gamma: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -351,8 +361,7 @@ def realized_throughput(
     ``tokens_per_second`` this is total tokens over total expected time (a
     throughput, not a mean of ratios); for ``tokens_per_step`` the mean.
     """
-    tok = tokens_if(chosen, accepted, drafted)
-    tok = np.where(np.isnan(tok), np.asarray(drafted) + 1.0, tok)
+    tok = tokens_credited(chosen, accepted, drafted)
     if objective == "tokens_per_step":
         return float(tok.mean())
     check_objective(objective)

@@ -75,9 +75,8 @@ def offline_summary(
     fixed = {g: realized_throughput(np.full(len(acc), g), acc, drafted, codes, cost_model) for g in range(max_gamma + 1)}
     best_g = max(fixed, key=fixed.get)  # type: ignore[arg-type]
     # oracle in hindsight: knowing n, gamma = n (all accepted, no waste) is best per step
-    scale = 1000.0 if cost_model.unit == "ms" else 1.0
     g_star = np.minimum(acc, max_gamma)
-    oracle = float(scale * (g_star + 1).sum() / cost_model.step_ms(g_star, codes).sum())
+    oracle = realized_throughput(g_star, acc, drafted, codes, cost_model)
     return {
         "rows": float(len(acc)),
         "tokens_per_second": tps,
