@@ -140,7 +140,7 @@ def build_draft(layers: tuple[int, ...], head_ids: torch.Tensor, config: Any = N
     """A draft initialised from the target: chosen layers copied, head from embedding rows."""
     import copy
 
-    from transformers import LlamaForCausalLM
+    from .context_copy import ContextCopyDraft
 
     if config is None or state is None:
         config, state = _target_state()
@@ -149,7 +149,7 @@ def build_draft(layers: tuple[int, ...], head_ids: torch.Tensor, config: Any = N
     cfg.tie_word_embeddings = False
     if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
         cfg.layer_types = [cfg.layer_types[i] for i in layers]
-    model = LlamaForCausalLM(cfg)
+    model = ContextCopyDraft(cfg)
     sd = {"model.embed_tokens.weight": state["model.embed_tokens.weight"], "model.norm.weight": state["model.norm.weight"]}
     for new, old in enumerate(layers):
         for k, v in state.items():
@@ -210,6 +210,8 @@ def load_draft(folder: str | Path, device: str = "cpu", dtype: torch.dtype = tor
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
     assert not unexpected and set(missing) == {"model.embed_tokens.weight"}, (missing, unexpected)
     model.generation_config.pad_token_id = None
+    if meta.get("copy"):
+        model.set_copy_gate(meta["copy"]["a"], meta["copy"]["b"], meta["copy"]["max_match"])
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -267,14 +269,59 @@ def _loss(model: Any, ids, mask, rows, cols, head_pos, tlp, ce_weight: float):
     return kl + ce_weight * ce, kl.item(), ce.item()
 
 
-def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor) -> dict[str, float]:
-    """Greedy agreement: draft argmax == target argmax on answer positions, per task and overall."""
+def _head_slots(model: Any) -> torch.Tensor:
+    """For every vocabulary id, its index in the draft's head (-1 outside it)."""
+    slots = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+    slots[model.lm_head.token_ids] = torch.arange(len(model.lm_head.token_ids))
+    return slots
+
+
+def _copy_inputs(corpus: dict, batch: list[int], max_match: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy candidate and match length at every answer position of a batch (as in :func:`_collate`)."""
+    from .context_copy import copy_candidates
+
+    cands, lengths = [], []
+    for i in batch:
+        c, m = copy_candidates(corpus["ids"][i].numpy().astype(np.int64), corpus["start"][i] - 1,
+                               len(corpus["topk_ids"][i]), max_match)
+        cands.append(torch.from_numpy(c))
+        lengths.append(torch.from_numpy(m))
+    return torch.cat(cands), torch.cat(lengths)
+
+
+def _predict(model: Any, hidden: torch.Tensor, corpus: dict, batch: list[int],
+             use_copy: bool = True) -> torch.Tensor:
+    """The draft's greedy token at each position, with its copy mixture when it has one."""
+    small = hidden @ model.lm_head.weight.t()
+    pred = model.lm_head.token_ids[small.argmax(-1)]
+    gate = model.copy_gate() if use_copy and hasattr(model, "copy_gate") else None
+    if gate is None:
+        return pred
+    from .context_copy import gate_probability
+
+    cand, length = _copy_inputs(corpus, batch, gate["max_match"])
+    log_q = torch.log_softmax(small.float(), -1)
+    top = log_q.max(-1).values
+    g = gate_probability(top, length, model.copy_a, model.copy_b)
+    slot = _head_slots(model)[cand.clamp_min(0)]  # the candidate's place in the head, -1 outside it
+    q_cand = torch.where((cand >= 0) & (slot >= 0), log_q.gather(1, slot.clamp_min(0)[:, None]).squeeze(1).exp(),
+                         torch.zeros_like(top))
+    take = (length > 0) & (g + (1 - g) * q_cand >= (1 - g) * top.exp())
+    return torch.where(take, cand, pred)
+
+
+def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor,
+              use_copy: bool = True) -> dict[str, float]:
+    """Greedy agreement: draft argmax == target argmax on answer positions, per task and overall.
+
+    With ``use_copy`` (the default) a draft with a fitted copy gate is measured with it.
+    """
     hits: dict[str, list[int]] = {}
     with torch.no_grad():
         for batch in _batches(corpus, idx, 4096, np.random.default_rng(0)):
             ids, mask, rows, cols, head_pos, tlp = _collate(corpus, batch, pos_of)
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
-            pred = model.lm_head.token_ids[(hidden @ model.lm_head.weight.t()).argmax(-1)]
+            pred = _predict(model, hidden, corpus, batch, use_copy)
             teacher = torch.cat([corpus["topk_ids"][i][:, 0].long() for i in batch])
             ok = (pred == teacher).int()
             start = 0
@@ -285,6 +332,36 @@ def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor) ->
     out = {t: float(np.mean(v)) for t, v in sorted(hits.items())}
     out["overall"] = float(np.mean([x for v in hits.values() for x in v]))
     return out
+
+
+def fit_copy(model: Any, corpus: dict, idx: list[int], max_match: int = 8) -> dict[str, Any]:
+    """Fit the draft's context-copy gate on answers ``idx`` and install it.
+
+    Fit on answers the draft never fitted (its validation prompts): on fitted
+    text the draft is right far more often than on new text, and the gate
+    would learn to trust it too much.
+    """
+    from .context_copy import fit_copy_gate
+
+    slots = _head_slots(model)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lq", "p", "hit", "conf", "len")}
+    with torch.no_grad():
+        for batch in _batches(corpus, idx, 4096, np.random.default_rng(0)):
+            ids, mask, rows, cols, _, tlp = _collate(corpus, batch, slots)
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
+            log_q = torch.log_softmax((hidden @ model.lm_head.weight.t()).float(), -1)
+            tid = torch.cat([corpus["topk_ids"][i].long() for i in batch])
+            cand, length = _copy_inputs(corpus, batch, max_match)
+            at = slots[tid]
+            parts["lq"].append(torch.where(at >= 0, log_q.gather(1, at.clamp_min(0)), torch.full_like(tlp, -60.0)))
+            p = tlp.exp()
+            parts["p"].append(p / p.sum(-1, keepdim=True))
+            parts["hit"].append(tid == cand[:, None])
+            parts["conf"].append(log_q.max(-1).values)
+            parts["len"].append(length)
+    a, b = fit_copy_gate(*(torch.cat(parts[k]) for k in ("lq", "p", "hit", "conf", "len")), max_match=max_match)
+    model.set_copy_gate(a, b, max_match)
+    return model.copy_gate()
 
 
 def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: int = 8192, minutes: float = 28.0,
@@ -414,6 +491,42 @@ def _load_corpora(paths: str) -> dict:
     return merged
 
 
+def _fit_copy_command(args: argparse.Namespace) -> None:
+    folder = Path(args.draft)
+    meta = json.loads((folder / DRAFT_META).read_text())
+    prefix = meta.get("fit_prefix")
+    if not prefix:
+        raise SystemExit(f"speckv-distill: error: {folder / DRAFT_META} has no fit_prefix: the copy gate is fitted "
+                         "on answers the draft never fitted (train with --fit-prefix)")
+    corpus = _load_corpora(args.corpus)
+    val = [i for i, s in enumerate(corpus["split"]) if s == "train" and corpus["greedy"][i]
+           and not corpus["prompt_id"][i].startswith(prefix)]
+    held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
+    if not val:
+        raise SystemExit(f"speckv-distill: error: {args.corpus} has no greedy answer to a training prompt whose id "
+                         f"does not start with {prefix!r} (the draft's validation prompts)")
+    model = load_draft(folder)
+    model.clear_copy_gate()  # measure without any earlier gate first
+    slots = _head_slots(model)
+    before = {"validation": agreement(model, corpus, val, slots)["overall"],
+              "heldout": agreement(model, corpus, held, slots) if held else {}}
+    t0 = time.time()
+    gate = fit_copy(model, corpus, val, args.max_match)
+    meta["copy"] = gate
+    meta["copy_fit"] = {"answers": len(val), "positions": sum(len(corpus["topk_ids"][i]) for i in val),
+                        "seconds": round(time.time() - t0, 1),
+                        "validation_agreement_without_copy": round(before["validation"], 4),
+                        "validation_agreement": round(agreement(model, corpus, val, slots)["overall"], 4)}
+    if held:
+        meta["heldout_agreement_without_copy"] = before["heldout"]
+        meta["heldout_agreement"] = agreement(model, corpus, held, slots)
+    tmp = folder / (DRAFT_META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, folder / DRAFT_META)
+    print(json.dumps({k: meta.get(k) for k in ("copy", "copy_fit", "heldout_agreement_without_copy",
+                                               "heldout_agreement")}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="speckv-distill", description="Distil a draft for SmolLM2-135M-Instruct.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -449,6 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("cost", help="ms per generated token: draft vs target (fp32, CPU)")
     k.add_argument("--draft", required=True)
     k.add_argument("--tokens", type=int, default=32)
+    cp = sub.add_parser("copy", help="fit the draft's context-copy gate on its validation answers (updates "
+                                     "draft.json)")
+    cp.add_argument("--corpus", required=True, help="corpus file(s) with the validation and held-out answers")
+    cp.add_argument("--draft", required=True)
+    cp.add_argument("--max-match", type=int, default=8)
     e = sub.add_parser("eval", help="held-out greedy agreement of a shipped draft")
     e.add_argument("--corpus", required=True)
     e.add_argument("--draft", required=True)
@@ -502,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
             result[f"{name}_ms_per_token"] = round((time.perf_counter() - t0) / args.tokens * 1e3, 2)
         result["ratio"] = round(result["draft_ms_per_token"] / result["target_ms_per_token"], 3)
         print(json.dumps(result))
+    elif args.cmd == "copy":
+        _fit_copy_command(args)
     else:
         corpus = _load_corpora(args.corpus)
         model = load_draft(args.draft)

@@ -78,3 +78,34 @@ def test_cli_names_a_missing_corpus(tmp_path, capsys):
     assert main(["train", "--corpus", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "d")]) == 2
     assert "corpus not found" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path):
+    import json
+
+    from speckv_policy.draft import _head_slots, agreement, main
+
+    renamed = dict(corpus, prompt_id=["gen-a" if p == "a" else p for p in corpus["prompt_id"]])
+    model, meta = train_draft(renamed, head_size=256, minutes=0.05, fit_prefix="gen-", progress=False)
+    save_draft(model, tmp_path / "d", meta)
+    torch.save(renamed, tmp_path / "c.pt")
+    assert main(["copy", "--corpus", str(tmp_path / "c.pt"), "--draft", str(tmp_path / "d"), "--max-match", "4"]) == 0
+    shipped = json.loads((tmp_path / "d" / "draft.json").read_text())
+    assert len(shipped["copy"]["a"]) == len(shipped["copy"]["b"]) == 4
+    assert shipped["copy_fit"]["answers"] == 1  # the greedy answer of "b", a prompt the draft never fitted
+    assert set(shipped["heldout_agreement"]) == set(shipped["heldout_agreement_without_copy"]) == {"chat", "overall"}
+    loaded = load_draft(tmp_path / "d")
+    assert loaded.copy_gate() == shipped["copy"]
+    # the measured agreement is that of the model HF runs: argmax of its forward, copy included
+    held = [i for i, s in enumerate(renamed["split"]) if s == "heldout"]
+    i = held[0]
+    with torch.no_grad():
+        logits = loaded(renamed["ids"][i][None].long()).logits[0]
+    start, n = renamed["start"][i], len(renamed["topk_ids"][i])
+    hits = (logits[start - 1:start - 1 + n].argmax(-1) == renamed["topk_ids"][i][:, 0].long()).float().mean()
+    assert agreement(loaded, renamed, [i], _head_slots(loaded))["overall"] == pytest.approx(float(hits))
+    # without fit_prefix every training prompt was fitted: no unseen answers to fit the gate on
+    model, meta = train_draft(corpus, head_size=256, minutes=0.05, val_fraction=0.0, progress=False)
+    save_draft(model, tmp_path / "e", meta)
+    with pytest.raises(SystemExit, match="has no fit_prefix"):
+        main(["copy", "--corpus", str(tmp_path / "c.pt"), "--draft", str(tmp_path / "e")])
