@@ -22,7 +22,7 @@ from speckv_policy.context_copy import (
 from speckv_policy.hf import attach
 from speckv_policy.tiny import tiny_llama_pair
 
-from .test_hf_hook import _chi2_pvalue, _exact_joint
+from .test_hf_hook import _chi2_pvalue, _exact_joint, _two_token_counts
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
 
@@ -149,22 +149,13 @@ def test_sampling_keeps_the_target_distribution_with_a_copying_draft():
     draft = _copy_draft(draft, [1.5, 2.5], [0.0, 0.0], 2)
     ids = torch.tensor([[1, 2, 3, 1, 2]])  # "1 2" occurred before: the copy proposes 3
     joint = _exact_joint(target, ids, vocab)
-    counts = np.zeros((vocab, vocab))
     rng = np.random.default_rng(0)
     n = 1500
     with attach(target, lambda f: int(rng.integers(0, 4)), compression="fp32", feature_set="online") as h:
-        for i in range(n):
-            torch.manual_seed(i)
-            out = target.generate(ids, max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                  assistant_model=draft)
-            counts[out[0, 5], out[0, 6]] += 1
+        counts = _two_token_counts(target, ids, vocab, n, assistant_model=draft)
     assert h.summary()["acceptance"] > 0.1 and max(s.gamma for s in h.stats) >= 1
     assert _chi2_pvalue(counts, joint) > 0.001
-    draft_counts = np.zeros((vocab, vocab))
-    for i in range(n):  # the copying draft's own samples: the test must be able to tell them apart
-        torch.manual_seed(i)
-        out = draft.generate(ids, max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-        draft_counts[out[0, 5], out[0, 6]] += 1
+    draft_counts = _two_token_counts(draft, ids, vocab, n)  # the copying draft's own: the test must tell them apart
     assert draft_counts[3].sum() > 0.5 * n  # it copies
     assert _chi2_pvalue(draft_counts, joint) < 1e-6
 

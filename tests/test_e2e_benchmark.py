@@ -97,6 +97,40 @@ def test_unexplained_mismatches(e2e):
           "int8 p1 repeat 0 arm gbt-upfront: first difference at output token 3",
           "fp32 p2 repeat 0 arm gbt-upfront: first difference at output token 1"]
     assert e2e.unexplained(ms) == ms[2:]
+    tie = ["nf4 p3 repeat 0 arm gbt-backoff: first difference at output token 5 (near tie: logit gap 0.0086, "
+           "chunking noise 0.3046000)",
+           "nf4 p4 repeat 0 arm gbt-backoff: first difference at output token 5 (not a near tie: logit gap 2.5, "
+           "chunking noise 0.3)"]
+    assert e2e.unexplained(tie) == tie[1:]
+
+
+def test_chunking_noise_tells_a_near_tie_from_a_real_difference(e2e):
+    import torch
+
+    from speckv_policy.tiny import tiny_llama_pair
+
+    target, _ = tiny_llama_pair(seed=1)
+    ctx = torch.tensor([[1, 5, 9, 2, 7, 3, 8, 4, 6, 10]])
+    with torch.no_grad():
+        top2 = target(ctx).logits[0, -1].topk(2)
+    first, second = int(top2.indices[0]), int(top2.indices[1])
+    gap, noise = e2e.chunking_noise(target, ctx, first, second)
+    assert gap == pytest.approx(float(top2.values[0] - top2.values[1]), abs=1e-4)
+    assert noise < 1e-4 < gap  # fp32: chunking barely moves the logits, the difference would be real
+
+    class ShapeNoisy(torch.nn.Module):  # a target whose multi-token passes shift one logit (like int8/nf4 rounding)
+        def __init__(self, model, token, delta):
+            super().__init__()
+            self.model, self.config, self.token, self.delta = model, model.config, token, delta
+
+        def forward(self, input_ids, **kwargs):
+            out = self.model(input_ids, **kwargs)
+            if input_ids.shape[1] > 1:
+                out.logits[..., self.token] += self.delta
+            return out
+
+    gap2, noise2 = e2e.chunking_noise(ShapeNoisy(target, second, gap + 0.5), ctx, first, second)
+    assert gap2 == pytest.approx(gap, abs=1e-4) and noise2 == pytest.approx(gap + 0.5, abs=1e-4)  # a near tie
 
 
 def test_unknown_arm_is_a_clear_error(e2e):

@@ -111,26 +111,28 @@ def _chi2_pvalue(counts, expected_probs):
     return chisquare(obs, exp).pvalue
 
 
+def _two_token_counts(model, ids, vocab, n, **kwargs):
+    """How often each pair of next two tokens is sampled in ``n`` seeded generations."""
+    counts = np.zeros((vocab, vocab))
+    start = ids.shape[1]
+    for i in range(n):
+        torch.manual_seed(i)
+        out = model.generate(ids, max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **kwargs)
+        counts[out[0, start], out[0, start + 1]] += 1
+    return counts
+
+
 def test_sampling_keeps_the_target_distribution():
     vocab = 12
     target, draft = tiny_llama_pair(vocab_size=vocab, hidden_size=32, noise=0.3, seed=3, init_range=0.15)
     ids = torch.tensor([[1, 2, 3]])
     joint = _exact_joint(target, ids, vocab)
-    counts = np.zeros((vocab, vocab))
-    draft_counts = np.zeros((vocab, vocab))
     rng = np.random.default_rng(0)
     n = 1500
     with attach(target, lambda f: int(rng.integers(0, 4)), compression="fp32", feature_set="online") as h:
-        for i in range(n):
-            torch.manual_seed(i)
-            out = target.generate(ids, max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                  assistant_model=draft)
-            counts[out[0, 3], out[0, 4]] += 1
+        counts = _two_token_counts(target, ids, vocab, n, assistant_model=draft)
     assert h.summary()["acceptance"] > 0.2 and max(s.gamma for s in h.stats) >= 1
-    for i in range(n):  # the draft's own samples: the test must be able to tell them apart
-        torch.manual_seed(i)
-        out = draft.generate(ids, max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-        draft_counts[out[0, 3], out[0, 4]] += 1
+    draft_counts = _two_token_counts(draft, ids, vocab, n)  # the draft's own: the test must tell them apart
     assert _chi2_pvalue(counts, joint) > 0.001
     assert _chi2_pvalue(draft_counts, joint) < 1e-6
 
