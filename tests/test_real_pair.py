@@ -58,6 +58,14 @@ def test_draft_metadata_records_the_recipe():
     assert meta["layers"] == [0, 1] and meta["head_size"] == 8192
     assert {"code", "math", "chat", "summarization", "overall"} <= set(meta["heldout_agreement"])
     assert (DRAFT / "draft.safetensors").stat().st_size < 40e6  # fp16, only what differs from the target
+    gate = meta["copy"]  # the context-copy gate, fitted on answers the draft never fitted
+    assert len(gate["a"]) == len(gate["b"]) == gate["max_match"]
+    assert meta["copy_fit"]["answers"] == sum(p.split == "train" for p in read_prompts(PROMPTS))
+
+
+def test_shipped_draft_loads_with_its_copy_gate(draft):
+    meta = json.loads((DRAFT / "draft.json").read_text())
+    assert draft.copy_gate() == meta["copy"]
 
 
 @pytest.fixture(scope="module")
