@@ -10,12 +10,14 @@ position), so training never runs the target again.
 
 Shipped weights hold only what differs from the target (the two layers, the
 final norm, the head and its token ids) in fp16; :func:`load_draft` rebuilds
-the draft from them and the target's embedding.
+the draft from them and the target's embedding, with the context-copy gate
+from ``draft.json`` (:mod:`speckv_policy.context_copy`).
 
 Commands (see ``docs/draft.md``)::
 
     speckv-distill corpus  --prompts datasets/prompts/prompts.jsonl --out corpus.pt
-    speckv-distill train   --corpus corpus.pt --out datasets/smollm2/draft
+    speckv-distill train   --corpus corpus.pt --out datasets/smollm2/draft --fit-prefix gen-
+    speckv-distill copy    --corpus corpus.pt --draft datasets/smollm2/draft   # the context-copy gate
     speckv-distill eval    --corpus corpus.pt --draft datasets/smollm2/draft
     speckv-distill cost    --draft datasets/smollm2/draft
 """
