@@ -73,7 +73,7 @@ def test_fit_prefix_fits_some_prompts_and_validates_on_the_others(corpus):
 
 
 def test_cli_names_a_missing_corpus(tmp_path, capsys):
-    from speckv_policy.draft import main
+    from speckv_policy.cli.distill import main
 
     assert main(["train", "--corpus", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "d")]) == 2
     assert "corpus not found" in capsys.readouterr().err
@@ -83,7 +83,8 @@ def test_cli_names_a_missing_corpus(tmp_path, capsys):
 def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path):
     import json
 
-    from speckv_policy.draft import _head_slots, agreement, main
+    from speckv_policy.cli.distill import main
+    from speckv_policy.draft import _head_slots, agreement
 
     renamed = dict(corpus, prompt_id=["gen-a" if p == "a" else p for p in corpus["prompt_id"]])
     model, meta = train_draft(renamed, head_size=256, minutes=0.05, fit_prefix="gen-", progress=False)

@@ -9,24 +9,24 @@ PY=.venv/bin/python
 
 # 1. Distillation prompts: 875 template prompts (code / math / chat; summarization of passages the target writes),
 #    training only, never repeating a held-out prompt (~1.5 min) -> datasets/prompts/distill.jsonl (shipped).
-$PY -m speckv_policy.draft prompts --out datasets/prompts/distill.jsonl
+$PY -m speckv_policy.cli.distill prompts --out datasets/prompts/distill.jsonl
 #    Let the target answer them (1 greedy + 1 sampled at T = 0.8, up to 160 tokens), recording its top-32 next-token
 #    log-probabilities at every answer position (~17 min, bf16) ...
-$PY -m speckv_policy.draft corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus3.pt" \
+$PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus3.pt" \
     --samples 2 --max-new-tokens 160 --batch-size 16 --seed 2
 #    ... and answer the 219 task prompts greedily: the training prompts' answers select the checkpoint, the held-out
 #    prompts' answers measure agreement once at the end (~3 min).
-$PY -m speckv_policy.draft corpus --prompts datasets/prompts/prompts.jsonl --out "$B/corpus.pt" \
+$PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/prompts.jsonl --out "$B/corpus.pt" \
     --samples 1 --max-new-tokens 160 --batch-size 16
 
 # 2. Distil the draft on the template prompts only (24 min wall-clock budget; best checkpoint by agreement on the
 #    task prompts' training split, which the draft never fits, so the policies later train on prompts as unseen by
 #    the draft as the held-out ones) -> datasets/smollm2/draft (fp16, only what differs from the target).
-$PY -m speckv_policy.draft train --corpus "$B/corpus.pt,$B/corpus3.pt" --fit-prefix gen- \
+$PY -m speckv_policy.cli.distill train --corpus "$B/corpus.pt,$B/corpus3.pt" --fit-prefix gen- \
     --out datasets/smollm2/draft --minutes 24
 #    Fit the draft's context-copy gate (a mixture with n-gram lookup of the context, 16 numbers) on the same
 #    validation answers (~20 s) -> datasets/smollm2/draft/draft.json.
-$PY -m speckv_policy.draft copy --corpus "$B/corpus.pt" --draft datasets/smollm2/draft
+$PY -m speckv_policy.cli.distill copy --corpus "$B/corpus.pt" --draft datasets/smollm2/draft
 
 # 3. Profile the pair: greedy on every prompt, sampling (T = 0.7) on every third, at fp32 / INT8 / NF4 (~16 min).
 rm -f datasets/smollm2/steps.parquet  # a new draft needs a fresh profile (speckv-profile resumes an existing file)

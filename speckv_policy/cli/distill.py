@@ -1,0 +1,185 @@
+"""``speckv-distill``: build the distilled SmolLM2 draft (prompts, corpus, train, copy gate, cost, eval).
+
+See ``docs/draft.md`` and ``datasets/smollm2/build.sh`` for the commands in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..draft import (
+    DRAFT_META,
+    _head_slots,
+    agreement,
+    fit_copy,
+    generate_corpus,
+    load_draft,
+    save_draft,
+    train_draft,
+)
+
+
+def _load_corpora(paths: str) -> dict:
+    """Load and concatenate comma-separated corpus files."""
+    merged: dict[str, Any] = {}
+    minutes = 0.0
+    for path in paths.split(","):
+        c = torch.load(path, weights_only=False)
+        minutes += float(c.pop("minutes", 0) or 0)
+        for k, v in c.items():
+            merged.setdefault(k, []).extend(v)
+    merged["minutes"] = round(minutes, 1)
+    return merged
+
+
+def _fit_copy_command(args: argparse.Namespace) -> None:
+    folder = Path(args.draft)
+    meta = json.loads((folder / DRAFT_META).read_text())
+    prefix = meta.get("fit_prefix")
+    if not prefix:
+        raise SystemExit(f"speckv-distill: error: {folder / DRAFT_META} has no fit_prefix: the copy gate is fitted "
+                         "on answers the draft never fitted (train with --fit-prefix)")
+    corpus = _load_corpora(args.corpus)
+    val = [i for i, s in enumerate(corpus["split"]) if s == "train" and corpus["greedy"][i]
+           and not corpus["prompt_id"][i].startswith(prefix)]
+    held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
+    if not val:
+        raise SystemExit(f"speckv-distill: error: {args.corpus} has no greedy answer to a training prompt whose id "
+                         f"does not start with {prefix!r} (the draft's validation prompts)")
+    model = load_draft(folder)
+    model.clear_copy_gate()  # measure without any earlier gate first
+    slots = _head_slots(model)
+    before = {"validation": agreement(model, corpus, val, slots)["overall"],
+              "heldout": agreement(model, corpus, held, slots) if held else {}}
+    t0 = time.time()
+    gate = fit_copy(model, corpus, val, args.max_match)
+    meta["copy"] = gate
+    meta["copy_fit"] = {"answers": len(val), "positions": sum(len(corpus["topk_ids"][i]) for i in val),
+                        "seconds": round(time.time() - t0, 1),
+                        "validation_agreement_without_copy": round(before["validation"], 4),
+                        "validation_agreement": round(agreement(model, corpus, val, slots)["overall"], 4)}
+    if held:
+        meta["heldout_agreement_without_copy"] = before["heldout"]
+        meta["heldout_agreement"] = agreement(model, corpus, held, slots)
+    tmp = folder / (DRAFT_META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, folder / DRAFT_META)
+    print(json.dumps({k: meta.get(k) for k in ("copy", "copy_fit", "heldout_agreement_without_copy",
+                                               "heldout_agreement")}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="speckv-distill", description="Distil a draft for SmolLM2-135M-Instruct.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("prompts", help="template prompts for distillation (training only; the target writes the "
+                                         "summarization passages)")
+    g.add_argument("--heldout", default="datasets/prompts/prompts.jsonl",
+                   help="prompt file whose held-out prompts must not be repeated")
+    g.add_argument("--out", required=True)
+    g.add_argument("--per-task", type=int, default=220)
+    g.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("corpus", help="let the target answer the prompts; record its top-k distributions")
+    c.add_argument("--prompts", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--samples", type=int, default=4, help="answers per training prompt (1 greedy + sampled)")
+    c.add_argument("--max-new-tokens", type=int, default=160)
+    c.add_argument("--batch-size", type=int, default=16)
+    c.add_argument("--dtype", default="bf16")
+    c.add_argument("--temperature", type=float, default=0.8)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--sampled-only", action="store_true", help="no greedy answers (for an extra corpus)")
+    t = sub.add_parser("train", help="train the draft on a corpus")
+    t.add_argument("--corpus", required=True, help="corpus file(s), comma-separated")
+    t.add_argument("--out", required=True)
+    t.add_argument("--minutes", type=float, default=28.0)
+    t.add_argument("--layers", default="0,1")
+    t.add_argument("--head-size", type=int, default=8192)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--val-fraction", type=float, default=0.1,
+                   help="share of training prompts for checkpoint selection (0: keep the last step)")
+    t.add_argument("--fit-prefix", default=None,
+                   help="fit only training prompts whose id starts with this (e.g. gen-); the other training "
+                        "prompts select the checkpoint")
+    k = sub.add_parser("cost", help="ms per generated token: draft vs target (fp32, CPU)")
+    k.add_argument("--draft", required=True)
+    k.add_argument("--tokens", type=int, default=32)
+    cp = sub.add_parser("copy", help="fit the draft's context-copy gate on its validation answers (updates "
+                                     "draft.json)")
+    cp.add_argument("--corpus", required=True, help="corpus file(s) with the validation and held-out answers")
+    cp.add_argument("--draft", required=True)
+    cp.add_argument("--max-match", type=int, default=8)
+    e = sub.add_parser("eval", help="held-out greedy agreement of a shipped draft")
+    e.add_argument("--corpus", required=True)
+    e.add_argument("--draft", required=True)
+    args = p.parse_args(argv)
+    for path in (getattr(args, "corpus", None) or "").split(","):
+        if path and not os.path.exists(path):
+            print(f"speckv-distill: error: corpus not found: {path} (make one with 'speckv-distill corpus')",
+                  file=sys.stderr)
+            return 2
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.cmd == "prompts":
+        from ..draft_prompts import build_distill_prompts, write_prompt_file
+        from ..profiler import read_prompts
+
+        held = {p.text for p in read_prompts(args.heldout) if p.split == "heldout"}
+        records = build_distill_prompts(args.per_task, seed=args.seed, heldout_texts=held)
+        write_prompt_file(records, args.out)
+        print(f"prompts: {len(records)} training prompts -> {args.out}")
+    elif args.cmd == "corpus":
+        from ..profiler import read_prompts
+
+        t0 = time.time()
+        corpus = generate_corpus(read_prompts(args.prompts), samples=args.samples, max_new_tokens=args.max_new_tokens,
+                                 batch_size=args.batch_size, dtype=args.dtype, temperature=args.temperature,
+                                 seed=args.seed, greedy_answers=not args.sampled_only)
+        corpus["minutes"] = round((time.time() - t0) / 60, 1)
+        tmp = args.out + ".tmp"
+        torch.save(corpus, tmp)
+        os.replace(tmp, args.out)
+        n = sum(len(x) for x in corpus["topk_ids"])
+        print(f"corpus: {len(corpus['ids'])} answers, {n} answer tokens, {corpus['minutes']} min -> {args.out}")
+    elif args.cmd == "train":
+        corpus = _load_corpora(args.corpus)
+        model, meta = train_draft(corpus, layers=tuple(int(x) for x in args.layers.split(",")),
+                                  head_size=args.head_size, minutes=args.minutes, lr=args.lr,
+                                  val_fraction=args.val_fraction, fit_prefix=args.fit_prefix)
+        meta["corpus_minutes"] = corpus.get("minutes")
+        save_draft(model, args.out, meta)
+        print(json.dumps({k: meta[k] for k in ("steps", "best_step", "validation_agreement", "train_minutes",
+                                               "train_tokens", "heldout_agreement",
+                                               "train_agreement")}, indent=1))
+    elif args.cmd == "cost":
+        from ..models import load_model
+
+        ids = torch.randint(100, 5000, (1, 80), generator=torch.Generator().manual_seed(0))
+        result = {}
+        for name, model in (("draft", load_draft(args.draft)), ("target", load_model("smollm2", "fp32"))):
+            model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+            result[f"{name}_ms_per_token"] = round((time.perf_counter() - t0) / args.tokens * 1e3, 2)
+        result["ratio"] = round(result["draft_ms_per_token"] / result["target_ms_per_token"], 3)
+        print(json.dumps(result))
+    elif args.cmd == "copy":
+        _fit_copy_command(args)
+    else:
+        corpus = _load_corpora(args.corpus)
+        model = load_draft(args.draft)
+        pos_of = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+        pos_of[model.lm_head.token_ids] = torch.arange(len(model.lm_head.token_ids))
+        held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
+        print(json.dumps(agreement(model, corpus, held, pos_of), indent=1))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
