@@ -198,7 +198,8 @@ def chunking_noise(target: Any, context: Any, ref_token: int, other_token: int) 
             return target(context[:, -k:], cache=cache, use_cache=True).logits[0, -1].float()
 
     single = last_logits(1)
-    noise = max(float((last_logits(k) - single).abs().max()) for k in (2, 4, 8) if k < context.shape[1])
+    noise = max((float((last_logits(k) - single).abs().max()) for k in (2, 4, 8) if k < context.shape[1]),
+                default=0.0)
     return float(single[ref_token] - single[other_token]), noise
 
 

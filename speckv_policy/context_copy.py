@@ -106,6 +106,38 @@ def mix_log_probs(logits: torch.Tensor, cand: torch.Tensor, length: torch.Tensor
     return out
 
 
+def copy_argmax(head_logits: torch.Tensor, head_ids: torch.Tensor, slots: torch.Tensor, cand: torch.Tensor,
+                length: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The argmax of :func:`mix_log_probs` without building full-vocabulary logits.
+
+    Parameters
+    ----------
+    head_logits : torch.Tensor
+        ``[P, H]`` the draft's logits over its head tokens (every other token has q = 0).
+    head_ids : torch.Tensor
+        ``[H]`` the vocabulary id of each head slot.
+    slots : torch.Tensor
+        ``[V]`` each vocabulary id's head slot, -1 outside the head.
+    cand, length : torch.Tensor
+        ``[P]`` copy candidate and match length per position.
+    a, b : torch.Tensor
+        The gate.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[P]`` vocabulary ids: the candidate where ``g + (1 - g) q(c) >= (1 - g) max q``, else the draft's argmax.
+    """
+    log_q = torch.log_softmax(head_logits.float(), -1)
+    top = log_q.max(-1).values
+    g = gate_probability(top, length, a, b)
+    slot = slots[cand.clamp_min(0)]
+    q_cand = torch.where((cand >= 0) & (slot >= 0), log_q.gather(1, slot.clamp_min(0)[:, None]).squeeze(1).exp(),
+                         torch.zeros_like(top))
+    take = (length > 0) & (cand >= 0) & (g + (1 - g) * q_cand >= (1 - g) * top.exp())
+    return torch.where(take, cand, head_ids[log_q.argmax(-1)])
+
+
 class ContextCopyDraft(LlamaForCausalLM):
     """The distilled draft with a fitted context-copy mixture on its output.
 

@@ -290,39 +290,30 @@ def _copy_inputs(corpus: dict, batch: list[int], max_match: int) -> tuple[torch.
     return torch.cat(cands), torch.cat(lengths)
 
 
-def _predict(model: Any, hidden: torch.Tensor, corpus: dict, batch: list[int],
-             use_copy: bool = True) -> torch.Tensor:
+def _predict(model: Any, hidden: torch.Tensor, corpus: dict, batch: list[int], slots: torch.Tensor) -> torch.Tensor:
     """The draft's greedy token at each position, with its copy mixture when it has one."""
     small = hidden @ model.lm_head.weight.t()
-    pred = model.lm_head.token_ids[small.argmax(-1)]
-    gate = model.copy_gate() if use_copy and hasattr(model, "copy_gate") else None
+    gate = model.copy_gate() if hasattr(model, "copy_gate") else None
     if gate is None:
-        return pred
-    from .context_copy import gate_probability
+        return model.lm_head.token_ids[small.argmax(-1)]
+    from .context_copy import copy_argmax
 
     cand, length = _copy_inputs(corpus, batch, gate["max_match"])
-    log_q = torch.log_softmax(small.float(), -1)
-    top = log_q.max(-1).values
-    g = gate_probability(top, length, model.copy_a, model.copy_b)
-    slot = _head_slots(model)[cand.clamp_min(0)]  # the candidate's place in the head, -1 outside it
-    q_cand = torch.where((cand >= 0) & (slot >= 0), log_q.gather(1, slot.clamp_min(0)[:, None]).squeeze(1).exp(),
-                         torch.zeros_like(top))
-    take = (length > 0) & (g + (1 - g) * q_cand >= (1 - g) * top.exp())
-    return torch.where(take, cand, pred)
+    return copy_argmax(small, model.lm_head.token_ids, slots, cand, length, model.copy_a, model.copy_b)
 
 
-def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor,
-              use_copy: bool = True) -> dict[str, float]:
+def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor) -> dict[str, float]:
     """Greedy agreement: draft argmax == target argmax on answer positions, per task and overall.
 
-    With ``use_copy`` (the default) a draft with a fitted copy gate is measured with it.
+    A draft with a fitted copy gate is measured with it (as HF runs it); ``pos_of`` is
+    :func:`_head_slots` of the model.
     """
     hits: dict[str, list[int]] = {}
     with torch.no_grad():
         for batch in _batches(corpus, idx, 4096, np.random.default_rng(0)):
             ids, mask, rows, cols, head_pos, tlp = _collate(corpus, batch, pos_of)
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
-            pred = _predict(model, hidden, corpus, batch, use_copy)
+            pred = _predict(model, hidden, corpus, batch, pos_of)
             teacher = torch.cat([corpus["topk_ids"][i][:, 0].long() for i in batch])
             ok = (pred == teacher).int()
             start = 0
@@ -404,8 +395,7 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
     config, state = _target_state()
     head_ids = head_ids[head_ids < config.vocab_size]
     model = build_draft(layers, head_ids, config, state)
-    pos_of = torch.full((config.vocab_size,), -1, dtype=torch.long)
-    pos_of[head_ids] = torch.arange(len(head_ids))
+    pos_of = _head_slots(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()

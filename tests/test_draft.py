@@ -110,3 +110,9 @@ def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path)
     save_draft(model, tmp_path / "e", meta)
     with pytest.raises(SystemExit, match="has no fit_prefix"):
         main(["copy", "--corpus", str(tmp_path / "c.pt"), "--draft", str(tmp_path / "e")])
+    with pytest.raises(SystemExit, match=r"nowhere has no draft.json"):
+        main(["copy", "--corpus", str(tmp_path / "c.pt"), "--draft", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match="--max-match must be >= 1, got 0"):
+        main(["copy", "--corpus", str(tmp_path / "c.pt"), "--draft", str(tmp_path / "d"), "--max-match", "0"])
+    assert json.loads((tmp_path / "d" / "draft.json").read_text()) == shipped  # refused runs change nothing
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["draft.json", "draft.safetensors"]  # no temp file

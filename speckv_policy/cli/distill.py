@@ -42,6 +42,11 @@ def _load_corpora(paths: str) -> dict:
 
 def _fit_copy_command(args: argparse.Namespace) -> None:
     folder = Path(args.draft)
+    if not (folder / DRAFT_META).exists():
+        raise SystemExit(f"speckv-distill: error: {folder} has no {DRAFT_META} (a folder written by "
+                         "'speckv-distill train')")
+    if args.max_match < 1:
+        raise SystemExit(f"speckv-distill: error: --max-match must be >= 1, got {args.max_match}")
     meta = json.loads((folder / DRAFT_META).read_text())
     prefix = meta.get("fit_prefix")
     if not prefix:
@@ -70,8 +75,11 @@ def _fit_copy_command(args: argparse.Namespace) -> None:
         meta["heldout_agreement_without_copy"] = before["heldout"]
         meta["heldout_agreement"] = agreement(model, corpus, held, slots)
     tmp = folder / (DRAFT_META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, folder / DRAFT_META)
+    try:
+        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, folder / DRAFT_META)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(json.dumps({k: meta.get(k) for k in ("copy", "copy_fit", "heldout_agreement_without_copy",
                                                "heldout_agreement")}, indent=1))
 
@@ -111,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("cost", help="ms per generated token: draft vs target (fp32, CPU)")
     k.add_argument("--draft", required=True)
     k.add_argument("--tokens", type=int, default=32)
+    k.add_argument("--no-copy", action="store_true", help="time the draft without its context-copy gate")
     cp = sub.add_parser("copy", help="fit the draft's context-copy gate on its validation answers (updates "
                                      "draft.json)")
     cp.add_argument("--corpus", required=True, help="corpus file(s) with the validation and held-out answers")
@@ -162,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
 
         ids = torch.randint(100, 5000, (1, 80), generator=torch.Generator().manual_seed(0))
         result = {}
-        for name, model in (("draft", load_draft(args.draft)), ("target", load_model("smollm2", "fp32"))):
+        draft = load_draft(args.draft)
+        if args.no_copy:
+            draft.clear_copy_gate()
+        for name, model in (("draft", draft), ("target", load_model("smollm2", "fp32"))):
             model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
@@ -174,10 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         corpus = _load_corpora(args.corpus)
         model = load_draft(args.draft)
-        pos_of = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-        pos_of[model.lm_head.token_ids] = torch.arange(len(model.lm_head.token_ids))
         held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
-        print(json.dumps(agreement(model, corpus, held, pos_of), indent=1))
+        print(json.dumps(agreement(model, corpus, held, _head_slots(model)), indent=1))
     return 0
 
 

@@ -48,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     n_train = int((log["split"] == "train").sum())
     print(f"log {args.log}: {len(log)} steps ({n_train} train / {len(log) - n_train} held-out)"
           + ("  [SYNTHETIC data: known acceptance process, not a model]" if synthetic else ""))
-    print(f"cost model fitted on {cm.device}: draft {np.round(cm.draft_ms_per_token, 2).tolist()} ms/token, "
-          f"verify {np.round(cm.verify_base_ms, 1).tolist()} ms + {np.round(cm.verify_ms_per_token, 2).tolist()} ms/token")
+    print(f"cost model fitted on {cm.device} (ms; per compression code 0 = full precision, 1 = int8, 2 = nf4):")
+    for code in range(len(cm.draft_ms_per_token)):
+        print(f"  {code}: draft {cm.draft_base_ms[code]:.1f} per call + {cm.draft_ms_per_token[code]:.2f} per token; "
+              + (f"verify for gamma 0..{len(cm.verify_table_ms[code]) - 1}: "
+                 f"{np.round(cm.verify_table_ms[code], 1).tolist()}" if cm.verify_table_ms else
+                 f"verify {cm.verify_base_ms[code]:.1f} + {cm.verify_ms_per_token[code]:.2f} per token"))
     header = (f"{'policy':<12} {'tok/s':>7} {'x fixed4':>9} {'x best fixed':>13} {'x oracle':>9} "
               f"{'mean gamma':>11} {'ONNX=Py':>8} {'p50 us':>7}  file")
     print(header)
