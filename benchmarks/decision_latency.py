@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 _SWEEP = np.ones(4 * 1024 * 1024, dtype=np.float32)  # 16 MiB: larger than the caches
 
 
@@ -44,9 +43,8 @@ def _in_generation(exported: str, report) -> None:
     """Decisions timed by the hook itself, between real SmolLM2-135M forward passes."""
     import warnings
 
-
     from speckv_policy.hf import attach
-    from speckv_policy.models import load_model, load_tokenizer
+    from speckv_policy.smollm2.models import load_model, load_tokenizer
 
     warnings.filterwarnings("ignore")
     try:
@@ -84,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
     import sklearn
 
+    from speckv_policy.logs import read_log
     from speckv_policy.policies import training_data
     from speckv_policy.runtime import RuntimePolicy
-    from speckv_policy.logs import read_log
     from speckv_policy.training import fit_from_log, make_policy
 
     log = read_log(args.log)

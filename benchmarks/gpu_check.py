@@ -40,7 +40,7 @@ def main() -> int:
 
     from speckv_policy.hf import attach
     from speckv_policy.runtime import RuntimePolicy
-    from speckv_policy.tiny import save_tiny_pair
+    from speckv_policy.testing import save_tiny_pair
 
     print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
           torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "| onnxruntime", ort.__version__,
@@ -69,7 +69,7 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from speckv_policy.models import load_model
+    from speckv_policy.smollm2.models import load_model
 
     tmp = Path("/tmp/speckv-gpu-check")
     tpath, dpath = save_tiny_pair(tmp)
@@ -101,7 +101,7 @@ def main() -> int:
         check(f"hook cuda tiny {comp}", ok, f"onnx policy steps={len(h.stats)} mean_decision_us="
               f"{h.summary()['decision_us_mean']:.1f}")
     try:
-        from speckv_policy.models import load_tokenizer
+        from speckv_policy.smollm2.models import load_tokenizer
 
         tok = load_tokenizer("smollm2")
     except ModuleNotFoundError as exc:

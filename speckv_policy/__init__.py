@@ -1,8 +1,20 @@
 """speckv-policy: learned, cost-aware speculation-length (gamma) policies.
 
+Layers, each importing only the ones below it (import-linter checks this):
+
+* core (this folder): ``schema``, ``features``, ``objective``, ``logs``,
+  ``prompts``, ``atomic``, ``policies``, ``training``, ``export``, ``runtime``;
+* :mod:`speckv_policy.evaluation`: the offline evaluator, its report, SYNTHETIC
+  logs, the end-to-end race's logic;
+* :mod:`speckv_policy.hf`: the Hugging Face hook, the profiler, model loading,
+  the race runner;
+* :mod:`speckv_policy.smollm2` (the SmolLM2 testbed) and
+  :mod:`speckv_policy.testing` (tiny model pairs);
+* :mod:`speckv_policy.cli`: one module per console script.
+
 The package root stays light: importing :mod:`speckv_policy` or
 :mod:`speckv_policy.runtime` pulls in neither scikit-learn nor torch. The
-training-side names below are loaded lazily on first access.
+names below are loaded lazily on first access.
 """
 
 from __future__ import annotations
@@ -26,6 +38,8 @@ _LAZY = {
     "validate_log": "speckv_policy.logs",
     "features_from_log": "speckv_policy.features",
     "export_onnx": "speckv_policy.export",
+    "evaluate_log": "speckv_policy.evaluation",
+    "attach": "speckv_policy.hf",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -20,7 +21,8 @@ from onnx import TensorProto, helper, numpy_helper
 from sklearn.utils.validation import check_is_fitted
 
 from . import __version__
-from .logs import atomic_write_bytes
+from .atomic import atomic_write
+from .objective import per_second_scale
 from .policies.base import GammaPolicy
 from .policies.baselines import FixedGammaPolicy, PaperMLP16Policy
 from .policies.gbt import HAZARD_FLOOR, GBTPolicy
@@ -161,11 +163,6 @@ _BUILDERS: dict[type, Callable[[_Graph, Any, str], str]] = {
 }
 
 
-def register_builder(cls: type, builder: Callable[[_Graph, Any, str], str]) -> None:
-    """Register how a custom policy class computes ``expected_tokens [N, G]`` in ONNX."""
-    _BUILDERS[cls] = builder
-
-
 def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
     """The ``speckv.*`` metadata written into an export."""
     fs = get_feature_set(policy.feature_set_)
@@ -199,7 +196,7 @@ def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
         raise ValueError("export needs a policy fitted with a named feature_set ('online' or 'paper')")
     builder = next((b for cls, b in _BUILDERS.items() if type(policy) is cls), None)
     if builder is None:
-        raise ValueError(f"no ONNX builder for {type(policy).__name__}; see register_builder")
+        raise ValueError(f"no ONNX builder for {type(policy).__name__}; export supports MLPPolicy, GBTPolicy, TablePolicy, FixedGammaPolicy and PaperMLP16Policy")
     g = _Graph()
     F = policy.n_features_in_
     x = INPUT_NAME
@@ -210,7 +207,7 @@ def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
     if policy.objective == "tokens_per_step":
         values = g.op("Identity", tokens, out="values")
     else:
-        scale = 1000.0 if cm.unit == "ms" else 1.0
+        scale = per_second_scale(cm.unit)
         values = g.op("Mul", g.op("Div", tokens, step_time), g.const(scale), out="values")
     g.op("Identity", tokens, out="expected_tokens")
     best = g.op("ArgMax", values, axis=1, keepdims=0)
@@ -252,5 +249,5 @@ def export_onnx(policy: GammaPolicy, path: str | os.PathLike[str]) -> onnx.Model
         with open(tmp, "wb") as fh:
             fh.write(data)
 
-    atomic_write_bytes(path, write)
+    atomic_write(path, write)
     return model

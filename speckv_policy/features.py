@@ -207,8 +207,8 @@ def as_feature_matrix(features: Any, feature_set: FeatureSet | str) -> np.ndarra
 
 
 def features_from_log(
-    log: "pd.DataFrame", feature_set: str = "online"
-) -> tuple["pd.DataFrame", np.ndarray, np.ndarray]:
+    log: pd.DataFrame, feature_set: str = "online"
+) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
     """Compute a feature matrix and censored labels from a validated step log.
 
     Parameters

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .atomic import atomic_write
 from .schema import COMPRESSIONS, DECODINGS, TASK_TYPES
 
 LOG_SCHEMA_VERSION = 1
@@ -203,34 +203,6 @@ def _to_table(df: pd.DataFrame, extra_metadata: Mapping[str, str] | None) -> pa.
     return table.replace_schema_metadata(meta)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], write: Any) -> None:
-    """Call ``write(tmp_path)`` then rename ``tmp_path`` over ``path``.
-
-    The temporary file lives in the destination folder so the rename is atomic;
-    it is removed if ``write`` fails, leaving any existing ``path`` untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        # mkstemp creates 0600; give the file the mode a plain open() would
-        # (or keep the mode of the file being replaced)
-        if path.exists():
-            mode = path.stat().st_mode & 0o777
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_log(
     df: pd.DataFrame,
     path: str | os.PathLike[str],
@@ -243,7 +215,7 @@ def write_log(
     """
     valid = validate_log(df, source=str(path))
     table = _to_table(valid, metadata)
-    atomic_write_bytes(path, lambda tmp: pq.write_table(table, tmp))
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
     return valid
 
 
@@ -336,4 +308,4 @@ def write_csv_log(df: pd.DataFrame, path: str | os.PathLike[str]) -> None:
     out = valid.copy()
     for col in LIST_COLUMNS:
         out[col] = [json.dumps([float(x) for x in v]) for v in out[col]]
-    atomic_write_bytes(path, lambda tmp: out.to_csv(tmp, index=False))
+    atomic_write(path, lambda tmp: out.to_csv(tmp, index=False))

@@ -172,7 +172,7 @@ class CostModel:
     @classmethod
     def relative(
         cls, draft_cost: float = 0.1, verify_cost_per_token: float = 0.05, decision_draft_tokens: int = 0
-    ) -> "CostModel":
+    ) -> CostModel:
         """Cost in units of one target step, the same at every compression level.
 
         ``draft_cost`` is ``c`` of Leviathan et al. (draft forward / target forward).
@@ -183,7 +183,7 @@ class CostModel:
 
     @classmethod
     def fit(cls, log: Any, *, device: str | None = None, decision_draft_tokens: int = 0,
-            verify: str = "table", min_rows: int = 5) -> "CostModel":
+            verify: str = "table", min_rows: int = 5) -> CostModel:
         """Fit from a step log's ``draft_ms`` and ``verify_ms`` columns.
 
         Drafting: a least-squares line in gamma over steps that drafted (fixed
@@ -311,7 +311,7 @@ class CostModel:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CostModel":
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         for k in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token", "draft_base_ms"):
@@ -325,6 +325,20 @@ class CostModel:
     def to_json(self) -> str:
         """JSON string of :meth:`to_dict`."""
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def per_second_scale(unit: str) -> float:
+    """Factor turning tokens per unit of cost into the reported rate.
+
+    Measured costs (``unit="ms"``) give tokens per second (x 1000); a relative
+    cost model (``unit="target_step"``) gives tokens per target-step time (x 1).
+    """
+    return 1000.0 if unit == "ms" else 1.0
+
+
+def rate_label(unit: str) -> str:
+    """What :func:`per_second_scale` rates are called: ``tokens/s`` or ``tokens per target step``."""
+    return "tokens/s" if unit == "ms" else "tokens per target step"
 
 
 def objective_values(
@@ -341,7 +355,7 @@ def objective_values(
     check_objective(objective)
     if objective == "tokens_per_step":
         return np.asarray(expected_tokens, dtype=np.float64)
-    scale = 1000.0 if unit == "ms" else 1.0
+    scale = per_second_scale(unit)
     return scale * np.asarray(expected_tokens, dtype=np.float64) / np.asarray(step_time, dtype=np.float64)
 
 
@@ -366,5 +380,4 @@ def realized_throughput(
         return float(tok.mean())
     check_objective(objective)
     t = cost_model.step_ms(chosen, codes)
-    scale = 1000.0 if cost_model.unit == "ms" else 1.0
-    return float(scale * tok.sum() / t.sum())
+    return float(per_second_scale(cost_model.unit) * tok.sum() / t.sum())

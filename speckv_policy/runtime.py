@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -247,13 +247,3 @@ class RuntimePolicy:
         fs = self.feature_set.name if self.feature_set else "?"
         return (f"RuntimePolicy({self.path!r}, policy={self.metadata.get('speckv.policy', '?')}, "
                 f"feature_set={fs}, candidates={self.candidates.tolist()}, provider={self.provider})")
-
-
-def load_policy(path: str | os.PathLike[str], **kwargs: Any) -> RuntimePolicy:
-    """Shorthand for :class:`RuntimePolicy` (``path``, then keyword options)."""
-    return RuntimePolicy(path, **kwargs)
-
-
-def feature_row(features: Mapping[str, float], feature_set: FeatureSet) -> np.ndarray:
-    """One float32 row in ``feature_set``'s order from a name -> value mapping."""
-    return as_feature_matrix(features, feature_set)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from speckv_policy.evaluation.synthetic import generate_synthetic_log
 from speckv_policy.logs import validate_log
 from speckv_policy.objective import CostModel
 from speckv_policy.policies import (
@@ -15,7 +16,6 @@ from speckv_policy.policies import (
     TablePolicy,
     training_data,
 )
-from speckv_policy.synthetic import generate_synthetic_log
 
 
 @pytest.fixture(scope="session")

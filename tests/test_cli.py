@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import joblib
@@ -92,13 +93,49 @@ def test_failed_export_keeps_previous_file(log_path, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
+def _quickstart_rows(text: str) -> dict[str, list[float]]:
+    """Policy name -> the numbers of its row in speckv-quickstart's table."""
+    rows = {}
+    for ln in text.splitlines():
+        name = ln.split(" ", 1)[0]
+        if name in ("mlp", "gbt", "table", "paper-mlp16", "fixed4"):
+            rows[name] = [float(x) for x in re.findall(r"-?\d+\.\d+", ln.split("  /")[0])]
+    return rows
+
+
 def test_quickstart_runs_on_the_shipped_log(tmp_path, capsys):
-    assert quickstart.main(["--log", str(SHIPPED_LOG), "--out", str(tmp_path), "--policies", "table,fixed"]) == 0
+    assert quickstart.main(["--log", str(SHIPPED_LOG), "--out", str(tmp_path), "--policies", "table,fixed",
+                            "--bootstrap", "200"]) == 0
     text = capsys.readouterr().out
     assert "SYNTHETIC" in text
     assert (tmp_path / "synthetic-table.onnx").exists() and (tmp_path / "synthetic-fixed4.onnx").exists()
-    line = next(ln for ln in text.splitlines() if ln.startswith("table"))
-    assert float(line.split()[2]) > 1.0  # beats fixed gamma 4 on held-out prompts
+    # tok/s, x target [CI], x best fixed [CI], x fixed4, x oracle, mean gamma, ONNX=Py %, p50 us
+    table = _quickstart_rows(text)["table"]
+    assert table[7] > 1.0  # beats fixed gamma 4 on held-out prompts
+
+
+def test_quickstart_prints_what_speckv_eval_prints(tmp_path, capsys):
+    """One offline evaluator: the main job's figures equal speckv-eval's for the same policies and log."""
+    from speckv_policy.cli import evaluate as eval_cli
+
+    assert quickstart.main(["--log", str(SHIPPED_LOG), "--out", str(tmp_path), "--policies", "gbt,table,fixed",
+                            "--bootstrap", "200"]) == 0
+    rows = _quickstart_rows(capsys.readouterr().out)
+    assert set(rows) == {"gbt", "table", "fixed4"}
+    assert eval_cli.main(["--log", str(SHIPPED_LOG), "--policy", str(tmp_path / "*.onnx"), "--out",
+                          str(tmp_path / "eval"), "--bootstrap", "200", "--no-plots"]) == 0
+    capsys.readouterr()
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    arms = result["groups"]["overall"]["arms"]
+    for name, nums in rows.items():
+        a = arms[f"synthetic-{name}"]
+        assert nums[0] == pytest.approx(round(a["tokens_per_second"], 2), abs=0.006), name
+        for i, key in ((1, "vs_target"), (4, "vs_best_fixed"), (7, "vs_fixed4"), (8, "vs_oracle")):
+            assert nums[i] == pytest.approx(round(a[key], 3), abs=0.0006), (name, key)
+        assert nums[9] == pytest.approx(round(a["mean_gamma"], 2), abs=0.006), name
+    # the references pay only what they run: the target alone is fixed-0 without a probe
+    ref = result["groups"]["overall"]["arms"]["fixed-0"]
+    assert ref["vs_target"] == pytest.approx(1.0)
 
 
 def test_shipped_exports_match_the_shipped_log():
@@ -117,7 +154,7 @@ def test_shipped_exports_match_the_shipped_log():
 
 
 def test_synthetic_module_cli(tmp_path, capsys):
-    from speckv_policy import synthetic
+    from speckv_policy.cli import synthetic
 
     out = tmp_path / "s.csv"
     assert synthetic.main([str(out), "--prompts", "5", "--steps", "4"]) == 0

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from speckv_policy.context_copy import (
+from speckv_policy.hf import attach
+from speckv_policy.smollm2.context_copy import (
     ContextCopyDraft,
     copy_argmax,
     copy_candidates,
@@ -20,8 +21,7 @@ from speckv_policy.context_copy import (
     longest_suffix_match,
     mix_log_probs,
 )
-from speckv_policy.hf import attach
-from speckv_policy.tiny import tiny_llama_pair
+from speckv_policy.testing import tiny_llama_pair
 
 from .test_hf_hook import _assisted_vs_draft_sampling
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from speckv_policy.draft import PrunedHead, generate_corpus, load_draft, save_draft, train_draft
-from speckv_policy.profiler import Prompt
+from speckv_policy.prompts import Prompt
+from speckv_policy.smollm2.distill import generate_corpus, train_draft
+from speckv_policy.smollm2.draft_model import PrunedHead, load_draft, save_draft
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -84,7 +85,8 @@ def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path)
     import json
 
     from speckv_policy.cli.distill import main
-    from speckv_policy.draft import _head_slots, agreement
+    from speckv_policy.smollm2.distill import agreement
+    from speckv_policy.smollm2.draft_model import head_slots
 
     renamed = dict(corpus, prompt_id=["gen-a" if p == "a" else p for p in corpus["prompt_id"]])
     model, meta = train_draft(renamed, head_size=256, minutes=0.05, fit_prefix="gen-", progress=False)
@@ -104,7 +106,7 @@ def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path)
         logits = loaded(renamed["ids"][i][None].long()).logits[0]
     start, n = renamed["start"][i], len(renamed["topk_ids"][i])
     hits = (logits[start - 1:start - 1 + n].argmax(-1) == renamed["topk_ids"][i][:, 0].long()).float().mean()
-    assert agreement(loaded, renamed, [i], _head_slots(loaded))["overall"] == pytest.approx(float(hits))
+    assert agreement(loaded, renamed, [i], head_slots(loaded))["overall"] == pytest.approx(float(hits))
     # without fit_prefix every training prompt was fitted: no unseen answers to fit the gate on
     model, meta = train_draft(corpus, head_size=256, minutes=0.05, val_fraction=0.0, progress=False)
     save_draft(model, tmp_path / "e", meta)

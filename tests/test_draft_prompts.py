@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from speckv_policy.draft_prompts import template_prompts
-from speckv_policy.profiler import read_prompts
+from speckv_policy.prompts import read_prompts
+from speckv_policy.smollm2.distill_prompts import template_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 

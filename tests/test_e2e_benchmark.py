@@ -1,31 +1,28 @@
-"""benchmarks/e2e.py end to end on a tiny random pair (smoke: mechanics, not speed)."""
+"""The end-to-end race: benchmarks/e2e.py on a tiny random pair (smoke: mechanics, not speed), and its parts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from speckv_policy.tiny import save_tiny_pair
+from speckv_policy.evaluation import race
+from speckv_policy.hf import race as hf_race
+from speckv_policy.testing import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_e2e():
-    spec = importlib.util.spec_from_file_location("speckv_e2e", ROOT / "benchmarks" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["speckv_e2e"] = mod  # dataclasses look their module up here
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
-
-
-@pytest.fixture(scope="module")
-def e2e():
-    return _load_e2e()
+def run_e2e(args: list[str]) -> int:
+    """``python benchmarks/e2e.py ARGS`` as a user runs it; returns the exit status."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +31,7 @@ def tiny_setup(tmp_path_factory):
     target, draft = save_tiny_pair(d)
     rng = np.random.default_rng(0)
     lines = []
-    for i, task in enumerate(("code", "math", "chat", "summarization")):
+    for task in ("code", "math", "chat", "summarization"):
         for split in ("train", "heldout") if task in ("code", "chat") else ("train",):
             ids = rng.integers(1, 64, size=int(rng.integers(3, 8))).tolist()
             lines.append(json.dumps({"id": f"{task}-{split}", "task_type": task, "split": split, "input_ids": ids}))
@@ -42,7 +39,7 @@ def tiny_setup(tmp_path_factory):
     return d, target, draft
 
 
-def test_e2e_smoke_on_tiny_pair(e2e, tiny_setup, capsys):
+def test_e2e_smoke_on_tiny_pair(tiny_setup):
     d, target, draft = tiny_setup
     doc = d / "bench.md"
     doc.write_text("# Benchmarks\n\nkept text\n")
@@ -50,7 +47,7 @@ def test_e2e_smoke_on_tiny_pair(e2e, tiny_setup, capsys):
             "--per-task", "1", "--compressions", "fp32", "--decodings", "greedy,sampling", "--max-new-tokens", "6",
             "--policy-prefix", "synthetic-", "--out", str(d / "e2e.json"), "--plot", str(d / "e2e.png"),
             "--doc", str(doc)]
-    assert e2e.main(args) == 0
+    assert run_e2e(args) == 0
     res = json.loads((d / "e2e.json").read_text())
     expected = {"target", "fixed-2", "fixed-4", "fixed-6", "fixed-8", "hf-default", "hf-heuristic", "adaedl",
                 "mlp16", "mlp-upfront", "mlp-pertoken", "gbt-upfront", "gbt-pertoken", "table-upfront",
@@ -66,55 +63,55 @@ def test_e2e_smoke_on_tiny_pair(e2e, tiny_setup, capsys):
     assert cell["arms"]["target"]["vs_target"] == pytest.approx(1.0)
     assert cell["best_fixed"] in {"fixed-2", "fixed-4", "fixed-6", "fixed-8"}
     text = doc.read_text()
-    assert text.startswith("# Benchmarks\n\nkept text") and text.count(e2e.BEGIN) == 1
+    assert text.startswith("# Benchmarks\n\nkept text") and text.count(race.BEGIN) == 1
     assert "### fp32, greedy" in text and "Every greedy run produced exactly" in text
     assert (d / "e2e.png").read_bytes()[:4] == b"\x89PNG"
     # re-rendering from the saved JSON reproduces the section without running anything
     before = doc.read_text()
-    assert e2e.main(["--render", str(d / "e2e.json"), "--plot", str(d / "e2e.png"), "--doc", str(doc)]) == 0
+    assert run_e2e(["--render", str(d / "e2e.json"), "--plot", str(d / "e2e.png"), "--doc", str(doc)]) == 0
     assert doc.read_text() == before
     # a second run replaces the section instead of appending another
-    assert e2e.main(args[:-2] + ["--doc", str(doc), "--arms", "fixed-4,gbt-upfront"]) == 0
+    assert run_e2e(args[:-2] + ["--doc", str(doc), "--arms", "fixed-4,gbt-upfront"]) == 0
     text = doc.read_text()
-    assert text.count(e2e.BEGIN) == 1 and "hf-heuristic" not in text
+    assert text.count(race.BEGIN) == 1 and "hf-heuristic" not in text
 
 
-def test_adaedl_rule(e2e):
+def test_adaedl_rule():
     from speckv_policy.schema import ONLINE
 
     row = np.zeros(ONLINE.n_features, dtype=np.float32)
     row[ONLINE.names.index("ema_accept_rate")] = 0.5
     row[ONLINE.names.index("entropy_first")] = 0.0
-    assert e2e.adaedl_policy(row) == 2  # certain draft: bound 1 >= 0.5, keep drafting
+    assert race.adaedl_policy(row) == 2  # certain draft: bound 1 >= 0.5, keep drafting
     row[ONLINE.names.index("entropy_first")] = 2.0  # bound 1 - sqrt(0.4) = 0.37 < 0.5: stop
-    assert e2e.adaedl_policy(row) == 0
+    assert race.adaedl_policy(row) == 0
     row[ONLINE.names.index("ema_accept_rate")] = 1.0  # high acceptance lowers the threshold to 0.35
-    assert e2e.adaedl_policy(row) == 2
+    assert race.adaedl_policy(row) == 2
 
 
-def test_unexplained_mismatches(e2e):
+def test_unexplained_mismatches():
     ms = ["int8 p1 repeat 0 arm fixed-4: first difference at output token 3",
           "int8 p1 repeat 0 arm gbt-upfront: first difference at output token 3",
           "fp32 p2 repeat 0 arm gbt-upfront: first difference at output token 1"]
-    assert e2e.unexplained(ms) == ms[2:]
+    assert race.unexplained(ms) == ms[2:]
     tie = ["nf4 p3 repeat 0 arm gbt-backoff: first difference at output token 5 (near tie: logit gap 0.0086, "
            "chunking noise 0.3046000)",
            "nf4 p4 repeat 0 arm gbt-backoff: first difference at output token 5 (not a near tie: logit gap 2.5, "
            "chunking noise 0.3)"]
-    assert e2e.unexplained(tie) == tie[1:]
+    assert race.unexplained(tie) == tie[1:]
 
 
-def test_chunking_noise_tells_a_near_tie_from_a_real_difference(e2e):
+def test_chunking_noise_tells_a_near_tie_from_a_real_difference():
     import torch
 
-    from speckv_policy.tiny import tiny_llama_pair
+    from speckv_policy.testing import tiny_llama_pair
 
     target, _ = tiny_llama_pair(seed=1)
     ctx = torch.tensor([[1, 5, 9, 2, 7, 3, 8, 4, 6, 10]])
     with torch.no_grad():
         top2 = target(ctx).logits[0, -1].topk(2)
     first, second = int(top2.indices[0]), int(top2.indices[1])
-    gap, noise = e2e.chunking_noise(target, ctx, first, second)
+    gap, noise = hf_race.chunking_noise(target, ctx, first, second)
     assert gap == pytest.approx(float(top2.values[0] - top2.values[1]), abs=1e-4)
     assert noise < 1e-4 < gap  # fp32: chunking barely moves the logits, the difference would be real
 
@@ -129,10 +126,10 @@ def test_chunking_noise_tells_a_near_tie_from_a_real_difference(e2e):
                 out.logits[..., self.token] += self.delta
             return out
 
-    gap2, noise2 = e2e.chunking_noise(ShapeNoisy(target, second, gap + 0.5), ctx, first, second)
+    gap2, noise2 = hf_race.chunking_noise(ShapeNoisy(target, second, gap + 0.5), ctx, first, second)
     assert gap2 == pytest.approx(gap, abs=1e-4) and noise2 == pytest.approx(gap + 0.5, abs=1e-4)  # a near tie
 
 
-def test_unknown_arm_is_a_clear_error(e2e):
+def test_unknown_arm_is_a_clear_error():
     with pytest.raises(SystemExit, match="unknown arm"):
-        e2e.make_arms(ROOT / "exported", "smollm2-", ["nope"])
+        race.make_arms(ROOT / "exported", "smollm2-", ["nope"])

@@ -10,8 +10,16 @@ import pandas as pd
 import pytest
 
 from speckv_policy.cli import evaluate as eval_cli
-from speckv_policy.evaluation import (EvalSet, evaluate, evaluation_set, oracle_choices, paired_bootstrap,
-                                      reference_arms, step_outcomes, summarize)
+from speckv_policy.evaluation import (
+    EvalSet,
+    evaluate,
+    evaluation_set,
+    oracle_choices,
+    paired_bootstrap,
+    reference_arms,
+    step_outcomes,
+    summarize,
+)
 from speckv_policy.logs import write_log
 from speckv_policy.objective import CostModel
 
@@ -181,3 +189,21 @@ def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path):
         for name, arm in s["arms"].items():
             assert now["groups"][group]["arms"][name]["tokens_per_second"] == pytest.approx(
                 arm["tokens_per_second"], rel=1e-9), (group, name)
+
+
+def test_references_pay_only_what_they_run():
+    """A policy that reads the first draft token pays it; the target alone (fixed-0) and the oracle never do."""
+    rows = hand_rows(accepted=(0, 3, 8, 1, 2, 0), prompts=("a", "a", "b", "b", "c", "c"))
+    es = EvalSet(rows, {"online": pd.DataFrame({"x": np.zeros(len(rows))})}, max_gamma=8)
+    probe = CostModel.relative(draft_cost=0.1, verify_cost_per_token=0.05, decision_draft_tokens=1)
+    always0 = ("online", lambda X: np.zeros(len(X), dtype=np.int64))
+    res = evaluate(es, {"always0": always0}, policy_cost=probe, n_resamples=50)
+    arms = res["groups"]["overall"]["arms"]
+    # every step: 1 token; the policy pays the probe (1.1 target steps), the target alone does not (1.0)
+    assert arms["fixed-0"]["tokens_per_second"] == pytest.approx(1.0)
+    assert arms["always0"]["tokens_per_second"] == pytest.approx(1 / 1.1)
+    assert arms["always0"]["vs_target"] == pytest.approx(1 / 1.1)
+    assert res["bootstrap"]["overall"]["always0"]["vs_target"]["ratio"] == pytest.approx(1 / 1.1)
+    # the oracle drafts exactly the accepted length, without a probe: (acc + 1) tokens in 1 + 0.15 acc
+    acc = rows["accepted"].to_numpy()
+    assert arms["oracle"]["tokens_per_second"] == pytest.approx((acc + 1).sum() / (1 + 0.15 * acc).sum())

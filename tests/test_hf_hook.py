@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from speckv_policy.hf import attach, detect_compression
 from speckv_policy.runtime import PolicyFallbackWarning
-from speckv_policy.tiny import save_tiny_pair, tiny_llama_pair
+from speckv_policy.testing import save_tiny_pair, tiny_llama_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
 
@@ -272,3 +272,42 @@ def test_detach_restores_the_model(pair):
     assert "_get_candidate_generator" not in target.__dict__ and "generate" not in target.__dict__
     target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=draft)
     assert h.stats == []
+
+
+def test_stats_records_and_reset(pair):
+    target, draft = pair
+    ids = torch.tensor([[1, 2, 3]])
+    with attach(target, _cycle([2, 0, 3]), compression="fp32", feature_set="online") as h:
+        target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
+        records = h.stats_records()
+        assert len(records) == len(h.stats) > 2
+        assert [r["gamma"] for r in records[:3]] == [2, 0, 3]
+        assert set(records[0]) >= {"step", "gamma", "accepted", "draft_ms", "verify_ms", "decision_us"}
+        assert sum(r["accepted"] + 1 for r in records) == 12
+        h.reset_stats()
+        assert h.stats == [] and h.stats_records() == [] and h.summary()["steps"] == 0
+        target.generate(ids, max_new_tokens=5, do_sample=False, assistant_model=draft)
+        assert sum(s.accepted + 1 for s in h.stats) == 5  # counting starts afresh
+
+
+def test_transformers_version_outside_the_tested_range_is_a_clear_error(monkeypatch):
+    import transformers
+
+    from speckv_policy.hf import _compat
+
+    _compat.check_transformers_version()  # the installed version is tested
+    low, high = _compat.TESTED_TRANSFORMERS
+    monkeypatch.delenv("SPECKV_ALLOW_UNTESTED_TRANSFORMERS", raising=False)
+    for version in ("4.46.0", high, "6.3.1"):
+        with pytest.raises(_compat.IncompatibleTransformersError) as err:
+            _compat.check_transformers_version(version)
+        assert f"transformers {version}" in str(err.value) and f">={low},<{high}" in str(err.value)
+    monkeypatch.setenv("SPECKV_ALLOW_UNTESTED_TRANSFORMERS", "1")
+    with pytest.warns(RuntimeWarning, match="outside the tested range"):
+        _compat.check_transformers_version("6.3.1")
+    # an internal that disappeared is named, with both versions
+    monkeypatch.delenv("SPECKV_ALLOW_UNTESTED_TRANSFORMERS")
+    monkeypatch.delattr(_compat.AssistedCandidateGenerator, "_generate_candidates")
+    with pytest.raises(_compat.IncompatibleTransformersError,
+                       match=rf"transformers {transformers.__version__} lacks .*_generate_candidates"):
+        _compat.check_transformers_version()

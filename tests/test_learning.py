@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speckv_policy.synthetic import oracle_choices, true_throughput
+from speckv_policy.evaluation.synthetic import oracle_choices, true_throughput
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from speckv_policy.evaluation.synthetic import SYNTHETIC_COSTS
 from speckv_policy.objective import (
     CostModel,
     analytic_expected_tokens,
@@ -16,7 +17,6 @@ from speckv_policy.objective import (
     survival_observations,
     tokens_if,
 )
-from speckv_policy.synthetic import SYNTHETIC_COSTS
 
 
 def test_tokens_if_hand_cases():

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from speckv_policy import profiler
+from speckv_policy.cli import profile as profile_cli
 from speckv_policy.features import features_from_log
-from speckv_policy.hf import attach
+from speckv_policy.hf import attach, profiler
+from speckv_policy.hf.profiler import ProfileConfig
 from speckv_policy.logs import read_log, validate_log
 from speckv_policy.objective import CostModel
-from speckv_policy.profiler import ProfileConfig, PromptFileError, read_prompts
-from speckv_policy.tiny import save_tiny_pair, tiny_llama_pair
+from speckv_policy.prompts import Prompt, PromptFileError, read_prompts
+from speckv_policy.testing import save_tiny_pair, tiny_llama_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -119,7 +120,7 @@ def test_bad_prompt_file_names_the_line(tmp_path, line, msg):
 def test_cli_reports_prompt_errors(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text("[1, 2]\n")
-    assert profiler.main(["--target", "t", "--draft", "d", "--prompts", str(f), "--out", str(tmp_path / "o.parquet")]) == 2
+    assert profile_cli.main(["--target", "t", "--draft", "d", "--prompts", str(f), "--out", str(tmp_path / "o.parquet")]) == 2
     assert "line 1: expected a JSON object" in capsys.readouterr().err
 
 
@@ -136,7 +137,7 @@ def test_runtime_features_equal_log_features():
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with attach(target, policy, compression="int8", feature_set="online", record_tokens=True) as h:
         target.generate(ids, max_new_tokens=60, do_sample=True, temperature=0.7, assistant_model=draft)
-    prompt = profiler.Prompt("p", "code", "train", input_ids=(3, 1, 4, 1, 5))
+    prompt = Prompt("p", "code", "train", input_ids=(3, 1, 4, 1, 5))
     rows = profiler.stats_to_rows(h.stats + [h.stats[-1]], run_id="r", prompt=prompt, compression="int8",
                                   decoding="sampling", temperature=0.7, device="cpu", draft_id="d", target_id="t")
     log = validate_log(__import__("pandas").DataFrame(rows))

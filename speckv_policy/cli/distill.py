@@ -15,16 +15,10 @@ from typing import Any
 
 import torch
 
-from ..draft import (
-    DRAFT_META,
-    _head_slots,
-    agreement,
-    fit_copy,
-    generate_corpus,
-    load_draft,
-    save_draft,
-    train_draft,
-)
+from ..atomic import atomic_write, atomic_write_text
+from ..prompts import read_prompts, write_prompt_file
+from ..smollm2.distill import agreement, fit_copy, generate_corpus, train_draft
+from ..smollm2.draft_model import DRAFT_META, head_slots, load_draft, save_draft
 
 
 def _load_corpora(paths: str) -> dict:
@@ -61,7 +55,7 @@ def _fit_copy_command(args: argparse.Namespace) -> None:
                          f"does not start with {prefix!r} (the draft's validation prompts)")
     model = load_draft(folder)
     model.clear_copy_gate()  # measure without any earlier gate first
-    slots = _head_slots(model)
+    slots = head_slots(model)
     before = {"validation": agreement(model, corpus, val, slots)["overall"],
               "heldout": agreement(model, corpus, held, slots) if held else {}}
     t0 = time.time()
@@ -74,12 +68,7 @@ def _fit_copy_command(args: argparse.Namespace) -> None:
     if held:
         meta["heldout_agreement_without_copy"] = before["heldout"]
         meta["heldout_agreement"] = agreement(model, corpus, held, slots)
-    tmp = folder / (DRAFT_META + ".tmp")
-    try:
-        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, folder / DRAFT_META)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(folder / DRAFT_META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
     print(json.dumps({k: meta.get(k) for k in ("copy", "copy_fit", "heldout_agreement_without_copy",
                                                "heldout_agreement")}, indent=1))
 
@@ -136,24 +125,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     torch.set_num_threads(os.cpu_count() or 1)
     if args.cmd == "prompts":
-        from ..draft_prompts import build_distill_prompts, write_prompt_file
-        from ..profiler import read_prompts
+        from ..smollm2.distill_prompts import build_distill_prompts
 
         held = {p.text for p in read_prompts(args.heldout) if p.split == "heldout"}
         records = build_distill_prompts(args.per_task, seed=args.seed, heldout_texts=held)
         write_prompt_file(records, args.out)
         print(f"prompts: {len(records)} training prompts -> {args.out}")
     elif args.cmd == "corpus":
-        from ..profiler import read_prompts
-
         t0 = time.time()
         corpus = generate_corpus(read_prompts(args.prompts), samples=args.samples, max_new_tokens=args.max_new_tokens,
                                  batch_size=args.batch_size, dtype=args.dtype, temperature=args.temperature,
                                  seed=args.seed, greedy_answers=not args.sampled_only)
         corpus["minutes"] = round((time.time() - t0) / 60, 1)
-        tmp = args.out + ".tmp"
-        torch.save(corpus, tmp)
-        os.replace(tmp, args.out)
+        atomic_write(args.out, lambda tmp: torch.save(corpus, tmp))
         n = sum(len(x) for x in corpus["topk_ids"])
         print(f"corpus: {len(corpus['ids'])} answers, {n} answer tokens, {corpus['minutes']} min -> {args.out}")
     elif args.cmd == "train":
@@ -167,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "train_tokens", "heldout_agreement",
                                                "train_agreement")}, indent=1))
     elif args.cmd == "cost":
-        from ..models import load_model
+        from ..smollm2.models import load_model
 
         ids = torch.randint(100, 5000, (1, 80), generator=torch.Generator().manual_seed(0))
         result = {}
@@ -187,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus = _load_corpora(args.corpus)
         model = load_draft(args.draft)
         held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
-        print(json.dumps(agreement(model, corpus, held, _head_slots(model)), indent=1))
+        print(json.dumps(agreement(model, corpus, held, head_slots(model)), indent=1))
     return 0
 
 

@@ -11,8 +11,9 @@ import glob
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -50,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
 
-    from ..evaluation import evaluate, evaluation_set
-    from ..eval_report import markdown, plots
-    from ..logs import LogValidationError, atomic_write_bytes, read_log
+    from ..atomic import atomic_write_text
+    from ..evaluation import evaluate_log
+    from ..evaluation.report import markdown, plots
+    from ..logs import LogValidationError, read_log
     from ..objective import CostModel
 
     specs = args.policy or [DEFAULT_POLICIES]
@@ -71,10 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             if name in policies:
                 raise ValueError(f"two policies are named {name!r}; rename one file")
             policies[name] = load_for_eval(path)
-        needed = tuple(sorted({fs for fs, _ in policies.values()} | {"online"}))
-        es = evaluation_set(log, needed, max_gamma=args.max_gamma)
         cost = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
-        result = evaluate(es, policies, policy_cost=cost, n_resamples=args.bootstrap, seed=args.seed)
+        result, es = evaluate_log(log, policies, policy_cost=cost, max_gamma=args.max_gamma,
+                                  n_resamples=args.bootstrap, seed=args.seed)
     except (LogValidationError, FileNotFoundError, ValueError) as exc:
         print(f"speckv-eval: error: {exc}", file=sys.stderr)
         return 2
@@ -91,15 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plots:
         written = plots(result, es, out)
         md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in written) + "\n"
-    atomic_write_bytes(out / "eval.json", lambda t: Path(t).write_text(json.dumps(result, indent=1)))
-    atomic_write_bytes(out / "eval.md", lambda t: Path(t).write_text(md))
+    atomic_write_text(out / "eval.json", json.dumps(result, indent=1))
+    atomic_write_text(out / "eval.md", md)
     ov = result["groups"]["overall"]
     print(f"{result['rows']} held-out steps, {result['prompts']} prompts; best fixed gamma "
           f"{ov['best_fixed'].split('-')[1]}")
     for name in policies:
         a = ov["arms"][name]
         b = result["bootstrap"]["overall"][name]
-        print(f"{name:<22} {a['tokens_per_second']:8.2f} {result['unit']}  x best fixed {a['vs_best_fixed']:.3f} "
+        print(f"{name:<22} {a['tokens_per_second']:8.2f} {result['unit']}  x target {a['vs_target']:.3f} "
+              f"[{b['vs_target']['ci'][0]:.3f}, {b['vs_target']['ci'][1]:.3f}]  x best fixed {a['vs_best_fixed']:.3f} "
               f"[{b['vs_best_fixed']['ci'][0]:.3f}, {b['vs_best_fixed']['ci'][1]:.3f}]  x fixed4 {a['vs_fixed4']:.3f} "
               f"[{b['vs_fixed4']['ci'][0]:.3f}, {b['vs_fixed4']['ci'][1]:.3f}]  x oracle {a['vs_oracle']:.3f}")
     print(f"wrote {out / 'eval.md'}, {out / 'eval.json'}" + ("" if args.no_plots else " and 3 plots"))

@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..logs import LogValidationError, read_log
     from ..objective import CostModel
     from ..runtime import RuntimePolicy
-    from ..training import (fit_from_log, load_saved_policy, make_policy, offline_summary,
-                            save_policy)
+    from ..training import fit_from_log, load_saved_policy, make_policy, save_policy
 
     t0 = time.perf_counter()
     log = None
@@ -94,15 +93,19 @@ def main(argv: list[str] | None = None) -> int:
           f"verify base {np.round(cm.verify_base_ms, 2).tolist()}, verify/token {np.round(cm.verify_ms_per_token, 2).tolist()}")
     if log is not None and (log["split"] == "heldout").any():
         try:
+            from ..evaluation import evaluate_log
             from ..policies import training_data
 
-            s = offline_summary(policy, log, cm, max_gamma=max(8, policy.max_gamma_))
+            result, _ = evaluate_log(log, {"policy": (policy.feature_set_, policy.predict)}, policy_cost=cm,
+                                     max_gamma=max(8, policy.max_gamma_), n_resamples=1)
+            ov = result["groups"]["overall"]
+            a = ov["arms"]["policy"]
             X, _ = training_data(log, policy.feature_set_, split="heldout")
             agree = float(np.mean(rt.decide_batch(X) == policy.predict(X)))
-            print(f"  held-out ({int(s['rows'])} steps): {s['tokens_per_second']:.2f} tok/s vs fixed-4 "
-                  f"{s['fixed4']:.2f} ({s['tokens_per_second'] / s['fixed4']:.3f}x), best fixed gamma="
-                  f"{int(s['best_fixed_gamma'])} ({s['tokens_per_second'] / s['best_fixed']:.3f}x), oracle in "
-                  f"hindsight {s['tokens_per_second'] / s['oracle']:.3f}x; ONNX = Python on {agree:.2%} of rows")
+            print(f"  held-out ({result['rows']} steps): {a['tokens_per_second']:.2f} {result['unit']}, "
+                  f"{a['vs_target']:.3f}x the target alone, {a['vs_fixed4']:.3f}x fixed-4, {a['vs_best_fixed']:.3f}x "
+                  f"the best fixed gamma ({ov['best_fixed'].split('-')[1]}), {a['vs_oracle']:.3f}x the oracle in "
+                  f"hindsight (speckv-eval's pricing); ONNX = Python on {agree:.2%} of rows")
         except ValueError as exc:
             print(f"  held-out evaluation skipped: {exc}")
     print(f"  done in {time.perf_counter() - t0:.1f} s")

@@ -2,7 +2,8 @@
 
 Trains every policy kind on the log's training prompts, exports each to ONNX,
 loads the exports with the runtime, checks them against Python on the held-out
-prompts, and prints a side-by-side table of counterfactual tokens/s.
+prompts, and prints a side-by-side table of counterfactual tokens/s from the
+same offline evaluator as ``speckv-eval`` (same pricing, same figures).
 """
 
 from __future__ import annotations
@@ -25,16 +26,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=",".join(KINDS), help="comma-separated kinds to train")
     p.add_argument("--decision-draft-tokens", type=int, choices=[0, 1], default=1,
                    help="draft tokens paid before deciding: 1 for the hook's default upfront mode (default)")
+    p.add_argument("--bootstrap", type=int, default=2000,
+                   help="paired bootstrap resamples over prompts for the CIs (default 2000)")
     args = p.parse_args(argv)
 
+    from ..evaluation import evaluate_log
     from ..export import export_onnx
-    from ..logs import LogValidationError
+    from ..logs import LogValidationError, read_log
     from ..objective import CostModel
-    from ..policies import training_data
+    from ..policies import POLICIES, training_data
     from ..runtime import RuntimePolicy
-    from ..logs import read_log
-    from ..training import fit_from_log, make_policy, offline_summary
+    from ..training import fit_from_log, make_policy
 
+    kinds = [k.strip() for k in args.policies.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in POLICIES]
+    if not kinds or unknown:
+        print(f"speckv-quickstart: error: --policies needs kinds from {', '.join(POLICIES)}"
+              + (f"; unknown: {', '.join(unknown)}" if unknown else ""), file=sys.stderr)
+        return 2
     try:
         log = read_log(args.log)
     except (LogValidationError, FileNotFoundError) as exc:
@@ -54,12 +63,10 @@ def main(argv: list[str] | None = None) -> int:
               + (f"verify for gamma 0..{len(cm.verify_table_ms[code]) - 1}: "
                  f"{np.round(cm.verify_table_ms[code], 1).tolist()}" if cm.verify_table_ms else
                  f"verify {cm.verify_base_ms[code]:.1f} + {cm.verify_ms_per_token[code]:.2f} per token"))
-    header = (f"{'policy':<12} {'tok/s':>7} {'x fixed4':>9} {'x best fixed':>13} {'x oracle':>9} "
-              f"{'mean gamma':>11} {'ONNX=Py':>8} {'p50 us':>7}  file")
-    print(header)
-    print("-" * len(header))
     status = 0
-    for kind in [k.strip() for k in args.policies.split(",") if k.strip()]:
+    policies = {}
+    checks = {}
+    for kind in kinds:
         policy = make_policy(kind, cost_model=cm)
         fit_from_log(policy, log, split="train")
         name = "fixed4" if kind == "fixed" else kind
@@ -74,13 +81,33 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             rt.decide(rows[i])
             times.append(time.perf_counter() - t)
-        s = offline_summary(policy, log, cm)
         status |= agree < 0.999
-        print(f"{name:<12} {s['tokens_per_second']:7.2f} {s['tokens_per_second'] / s['fixed4']:9.3f} "
-              f"{s['tokens_per_second'] / s['best_fixed']:13.3f} {s['tokens_per_second'] / s['oracle']:9.3f} "
-              f"{s['mean_gamma']:11.2f} {agree:8.2%} {np.median(times) * 1e6:7.1f}  {path}")
-    print(f"(held-out prompts only; best fixed gamma in hindsight = {int(s['best_fixed_gamma'])}; "
-          "oracle = per-step best gamma knowing the outcome)")
+        policies[name] = (policy.feature_set, policy.predict)
+        checks[name] = (agree, float(np.median(times)) * 1e6, path)
+    result, _ = evaluate_log(log, policies, policy_cost=cm, n_resamples=args.bootstrap)
+    ov = result["groups"]["overall"]
+    boot = result["bootstrap"].get("overall", {})
+    header = (f"{'policy':<12} {'tok/s':>7} {'x target':>9} {'95% CI':>13} {'x best fixed':>13} {'95% CI':>13} "
+              f"{'x fixed4':>9} {'x oracle':>9} {'mean gamma':>11} {'ONNX=Py':>8} {'p50 us':>7}  file")
+    print(header)
+    print("-" * len(header))
+
+    def ci(name: str, key: str) -> str:
+        lo, hi = boot[name][key]["ci"] if name in boot else (float("nan"), float("nan"))
+        return f"[{lo:.3f}, {hi:.3f}]"
+
+    for name, (agree, p50, path) in checks.items():
+        a = ov["arms"][name]
+        print(f"{name:<12} {a['tokens_per_second']:7.2f} {a['vs_target']:9.3f} {ci(name, 'vs_target'):>13} "
+              f"{a['vs_best_fixed']:13.3f} {ci(name, 'vs_best_fixed'):>13} {a['vs_fixed4']:9.3f} "
+              f"{a['vs_oracle']:9.3f} {a['mean_gamma']:11.2f} {agree:8.2%} {p50:7.1f}  {path}")
+    ref = ov["arms"]
+    print(f"(held-out prompts only: {result['rows']} steps of {result['prompts']} prompts; policies pay "
+          f"{args.decision_draft_tokens} probe draft token(s) before deciding, references pay only what they run: "
+          f"target alone {ref['fixed-0']['tokens_per_second']:.2f} {result['unit']}, best fixed gamma in hindsight "
+          f"= {ov['best_fixed'].split('-')[1]} ({ref[ov['best_fixed']]['tokens_per_second']:.2f}), oracle "
+          f"{ref['oracle']['tokens_per_second']:.2f} = per-step best gamma knowing the outcome; CIs: paired "
+          f"bootstrap over prompts, {args.bootstrap} resamples; same figures as speckv-eval)")
     return int(status)
 
 

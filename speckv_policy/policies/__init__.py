@@ -1,6 +1,6 @@
 """Gamma policies: scikit-learn estimators that pick a draft length per step."""
 
-from .base import GammaPolicy, objective_scorer, training_data
+from .base import MAX_CANDIDATE_GAMMA, GammaPolicy, check_candidates, objective_scorer, training_data
 from .baselines import FixedGammaPolicy, PaperMLP16Policy
 from .gbt import GBTPolicy
 from .mlp import MLPPolicy
@@ -23,5 +23,7 @@ __all__ = [
     "PaperMLP16Policy",
     "POLICIES",
     "objective_scorer",
+    "check_candidates",
+    "MAX_CANDIDATE_GAMMA",
     "training_data",
 ]

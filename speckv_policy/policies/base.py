@@ -13,11 +13,10 @@ Targets ``y`` are accepted prefix lengths. Pass either
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
-from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ..objective import (
@@ -28,11 +27,12 @@ from ..objective import (
     realized_throughput,
 )
 from ..schema import FEATURE_SETS, N_COMPRESSION_CODES, get_feature_set
+from ._sklearn_compat import StrOptions
 
 MAX_CANDIDATE_GAMMA = 32
 
 
-def _check_candidates(candidates: Sequence[int]) -> np.ndarray:
+def check_candidates(candidates: Sequence[int]) -> np.ndarray:
     try:
         c = np.asarray(list(candidates))
     except TypeError:
@@ -61,6 +61,31 @@ def data_fingerprint(X: Any, accepted: Any, drafted: Any) -> str:
     for a in (accepted, drafted):
         h.update(np.ascontiguousarray(np.asarray(a, dtype=np.int64)).tobytes())
     return h.hexdigest()[:16]
+
+
+#: The parameters every learned policy shares, as they appear in its docstring
+#: (substituted for ``{shared_parameters}`` by :func:`shared_parameters_doc`).
+SHARED_PARAMETERS_DOC = """\
+    candidates : sequence of int, default=(0, 1, ..., 8)
+        Gammas the policy may choose (0 = plain target step).
+    objective : {'tokens_per_second', 'tokens_per_step'}, default='tokens_per_second'
+        What the decision maximises.
+    cost_model : CostModel or None, default=None
+        Step-time model; ``None`` means :meth:`CostModel.relative`.
+    feature_set : {'online', 'paper'} or None, default='online'
+        Feature schema of ``X``.
+"""
+
+
+def shared_parameters_doc(cls: type) -> type:
+    """Class decorator: put :data:`SHARED_PARAMETERS_DOC` where the docstring says ``{shared_parameters}``."""
+    marker = "    {shared_parameters}\n"
+    if cls.__doc__ is None:  # python -OO strips docstrings
+        return cls
+    if marker not in cls.__doc__:
+        raise TypeError(f"{cls.__name__}'s docstring lacks the line '{marker.strip()}'")
+    cls.__doc__ = cls.__doc__.replace(marker, SHARED_PARAMETERS_DOC)
+    return cls
 
 
 class GammaPolicy:
@@ -93,9 +118,16 @@ class GammaPolicy:
         "feature_set": [StrOptions(set(FEATURE_SETS)), None],
     }
 
+    def _store_shared_params(self, candidates: Any, objective: str, cost_model: Any, feature_set: str | None) -> None:
+        """Store the shared constructor arguments unchanged (scikit-learn's rule for ``__init__``)."""
+        self.candidates = candidates
+        self.objective = objective
+        self.cost_model = cost_model
+        self.feature_set = feature_set
+
     # -- helpers -----------------------------------------------------------
     def _candidate_list(self) -> np.ndarray:
-        return _check_candidates(self.candidates)
+        return check_candidates(self.candidates)
 
     def _prepare_X(self, X: Any, *, reset: bool) -> np.ndarray:
         fs = get_feature_set(self.feature_set) if self.feature_set is not None else None
@@ -156,7 +188,7 @@ class GammaPolicy:
         return acc.astype(np.int64), drafted.astype(np.int64)
 
     # -- estimator API -------------------------------------------------------
-    def fit(self, X: Any, y: Any) -> "GammaPolicy":
+    def fit(self, X: Any, y: Any) -> GammaPolicy:
         """Fit the policy on step features and (censored) accepted lengths.
 
         Parameters

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.neural_network import MLPRegressor
-from sklearn.utils._param_validation import Interval
 
 from ..objective import survival_observations
 from ..schema import N_COMPRESSION_CODES, get_feature_set
+from ._sklearn_compat import Interval
 from .base import GammaPolicy
 
 
@@ -130,10 +130,7 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
         max_iter: int = 500,
         random_state: Any = 42,
     ) -> None:
-        self.candidates = candidates
-        self.objective = objective
-        self.cost_model = cost_model
-        self.feature_set = feature_set
+        self._store_shared_params(candidates, objective, cost_model, feature_set)
         self.max_iter = max_iter
         self.random_state = random_state
 
@@ -176,7 +173,7 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
         return self._rates(X) * self.candidates_[None, :] + 1.0
 
     @classmethod
-    def from_npz(cls, path: str | os.PathLike[str], **params: Any) -> "PaperMLP16Policy":
+    def from_npz(cls, path: str | os.PathLike[str], **params: Any) -> PaperMLP16Policy:
         """Load released weights (``W1`` (F+1, 16), ``b1``, ``W2`` (16, 1), ``b2``).
 
         The returned policy is fitted; ``params`` set its constructor
@@ -188,7 +185,7 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
             If an array is missing or has the wrong shape for the feature set.
         """
         from ..objective import CostModel
-        from .base import _check_candidates
+        from .base import check_candidates
 
         policy = cls(**params)
         policy._validate_params()
@@ -206,7 +203,7 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
                 raise ValueError(f"{path}: array {k} has shape {arrays[k].shape}, expected {shape}")
         policy.coefs_ = [W1, W2]
         policy.intercepts_ = [b1, b2]
-        policy.candidates_ = _check_candidates(policy.candidates)
+        policy.candidates_ = check_candidates(policy.candidates)
         policy.max_gamma_ = int(policy.candidates_.max())
         policy.cost_model_ = policy.cost_model if policy.cost_model is not None else CostModel.relative()
         policy.feature_set_ = policy.feature_set

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.ensemble import HistGradientBoostingClassifier
-from sklearn.utils._param_validation import Interval
 
 from ..objective import survival_observations
-from .base import GammaPolicy
+from ._sklearn_compat import Interval
+from .base import GammaPolicy, shared_parameters_doc
 
 HAZARD_FLOOR = 1e-6
 
@@ -27,6 +27,7 @@ def expand_positions(X: np.ndarray, K: int) -> np.ndarray:
     return np.hstack([rep, pos])
 
 
+@shared_parameters_doc
 class GBTPolicy(GammaPolicy, BaseEstimator):
     """Histogram gradient boosting over (features, draft position).
 
@@ -37,14 +38,7 @@ class GBTPolicy(GammaPolicy, BaseEstimator):
 
     Parameters
     ----------
-    candidates : sequence of int, default=(0, 1, ..., 8)
-        Gammas the policy may choose (0 = plain target step).
-    objective : {'tokens_per_second', 'tokens_per_step'}, default='tokens_per_second'
-        What the decision maximises.
-    cost_model : CostModel or None, default=None
-        Step-time model; ``None`` means :meth:`CostModel.relative`.
-    feature_set : {'online', 'paper'} or None, default='online'
-        Feature schema of ``X``.
+    {shared_parameters}
     max_iter : int, default=100
         Boosting iterations.
     learning_rate : float, default=0.1
@@ -90,10 +84,7 @@ class GBTPolicy(GammaPolicy, BaseEstimator):
         l2_regularization: float = 1.0,
         random_state: Any = 0,
     ) -> None:
-        self.candidates = candidates
-        self.objective = objective
-        self.cost_model = cost_model
-        self.feature_set = feature_set
+        self._store_shared_params(candidates, objective, cost_model, feature_set)
         self.max_iter = max_iter
         self.learning_rate = learning_rate
         self.max_leaf_nodes = max_leaf_nodes

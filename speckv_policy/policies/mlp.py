@@ -8,16 +8,17 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.utils import check_random_state
-from sklearn.utils._param_validation import Interval
 
 from ..objective import survival_observations
-from .base import GammaPolicy
+from ._sklearn_compat import Interval
+from .base import GammaPolicy, shared_parameters_doc
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))
 
 
+@shared_parameters_doc
 class MLPPolicy(GammaPolicy, BaseEstimator):
     """Multi-layer perceptron over step features, trained in torch.
 
@@ -29,14 +30,7 @@ class MLPPolicy(GammaPolicy, BaseEstimator):
 
     Parameters
     ----------
-    candidates : sequence of int, default=(0, 1, ..., 8)
-        Gammas the policy may choose (0 = plain target step).
-    objective : {'tokens_per_second', 'tokens_per_step'}, default='tokens_per_second'
-        What the decision maximises.
-    cost_model : CostModel or None, default=None
-        Step-time model; ``None`` means :meth:`CostModel.relative`.
-    feature_set : {'online', 'paper'} or None, default='online'
-        Feature schema of ``X``.
+    {shared_parameters}
     hidden_layer_sizes : tuple of int, default=(32, 32)
         Width of each hidden ReLU layer.
     alpha : float, default=1e-4
@@ -84,10 +78,7 @@ class MLPPolicy(GammaPolicy, BaseEstimator):
         max_iter: int = 400,
         random_state: Any = 0,
     ) -> None:
-        self.candidates = candidates
-        self.objective = objective
-        self.cost_model = cost_model
-        self.feature_set = feature_set
+        self._store_shared_params(candidates, objective, cost_model, feature_set)
         self.hidden_layer_sizes = hidden_layer_sizes
         self.alpha = alpha
         self.learning_rate = learning_rate

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 from sklearn.base import BaseEstimator
-from sklearn.utils._param_validation import Interval
 
 from ..objective import survival_observations
 from ..schema import get_feature_set
-from .base import GammaPolicy
+from ._sklearn_compat import Interval
+from .base import GammaPolicy, shared_parameters_doc
 
 DEFAULT_BINNED = {
     "online": ("conf_first", "compression_code", "ema_accept_rate"),
@@ -42,6 +42,7 @@ def bin_index(X: np.ndarray, columns: np.ndarray, edges: list[np.ndarray], strid
     return flat
 
 
+@shared_parameters_doc
 class TablePolicy(GammaPolicy, BaseEstimator):
     """Binned lookup table of acceptance survival curves.
 
@@ -54,14 +55,7 @@ class TablePolicy(GammaPolicy, BaseEstimator):
 
     Parameters
     ----------
-    candidates : sequence of int, default=(0, 1, ..., 8)
-        Gammas the policy may choose (0 = plain target step).
-    objective : {'tokens_per_second', 'tokens_per_step'}, default='tokens_per_second'
-        What the decision maximises.
-    cost_model : CostModel or None, default=None
-        Step-time model; ``None`` means :meth:`CostModel.relative`.
-    feature_set : {'online', 'paper'} or None, default='online'
-        Feature schema of ``X``.
+    {shared_parameters}
     binned_features : tuple of str or int, or None, default=None
         Features to bin (names need a feature set; ints are column indices).
         ``None``: a default per feature set (first three columns without one).
@@ -98,10 +92,7 @@ class TablePolicy(GammaPolicy, BaseEstimator):
         n_bins: int = 6,
         smoothing: float = 10.0,
     ) -> None:
-        self.candidates = candidates
-        self.objective = objective
-        self.cost_model = cost_model
-        self.feature_set = feature_set
+        self._store_shared_params(candidates, objective, cost_model, feature_set)
         self.binned_features = binned_features
         self.n_bins = n_bins
         self.smoothing = smoothing

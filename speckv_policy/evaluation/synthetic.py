@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .objective import CostModel, analytic_expected_tokens
-from .schema import COMPRESSION_CODES, TASK_TYPES
+from ..objective import CostModel, analytic_expected_tokens
+from ..schema import COMPRESSION_CODES, TASK_TYPES
 
 SYNTHETIC_DRAFT = "synthetic-draft"
 SYNTHETIC_TARGET = "synthetic-target"
@@ -168,32 +168,3 @@ def oracle_choices(
     e = analytic_expected_tokens(np.asarray(alpha)[:, None], c[None, :])
     t = costs.step_ms(c[None, :], np.asarray(codes)[:, None])
     return c[np.argmax(e / t, axis=1)]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m speckv_policy.synthetic OUT.parquet``: write a SYNTHETIC log."""
-    import argparse
-
-    from .logs import write_log
-
-    p = argparse.ArgumentParser(prog="python -m speckv_policy.synthetic",
-                                description="Write a SYNTHETIC step log with a known acceptance process.")
-    p.add_argument("output", help=".parquet or .csv path (written atomically)")
-    p.add_argument("--prompts", type=int, default=80)
-    p.add_argument("--steps", type=int, default=30, help="steps per prompt and compression level")
-    p.add_argument("--seed", type=int, default=1)
-    args = p.parse_args(argv)
-    log, _ = generate_synthetic_log(n_prompts=args.prompts, steps_per_prompt=args.steps, seed=args.seed)
-    if args.output.endswith(".csv"):
-        from .logs import write_csv_log
-
-        write_csv_log(log, args.output)
-    else:
-        write_log(log, args.output, metadata={"synthetic": "true", "generator": "speckv_policy.synthetic",
-                                              "seed": str(args.seed)})
-    print(f"wrote {len(log)} SYNTHETIC steps ({args.prompts} prompts x 3 compressions x {args.steps}) to {args.output}")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -15,9 +15,7 @@ text equals a held-out prompt is dropped. Run ``speckv-distill prompts``.
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 from typing import Any
 
 LANGUAGES = ["Python", "Python", "Python", "JavaScript", "C", "Java", "Go", "Rust", "TypeScript", "Bash"]
@@ -248,11 +246,3 @@ def write_passages(requests: list[str], *, max_new_tokens: int = 120, batch_size
             cut = max(text.rfind(". "), text.rfind(".\n"), len(text) - 1 if text.endswith(".") else -1)
             out.append(" ".join(text[:cut + 1].split()) if cut > 0 else " ".join(text.split()))
     return out
-
-
-def write_prompt_file(records: list[dict[str, Any]], path: str | Path) -> None:
-    """Write JSON lines atomically."""
-    from .logs import atomic_write_bytes
-
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-    atomic_write_bytes(Path(path), lambda tmp: Path(tmp).write_bytes(data))

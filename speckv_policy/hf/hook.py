@@ -5,8 +5,9 @@
     handle.stats        # per step: gamma, accepted, draft / verify / decision time
     handle.detach()     # or: with attach(...) as handle: ...
 
-``attach`` replaces ``target._get_candidate_generator`` on that one model
-instance so that assisted generation drafts through
+``attach`` swaps the candidate generator of that one model instance
+(through :mod:`speckv_policy.hf._compat`, the only place that touches
+transformers' private internals) so that assisted generation drafts through
 :class:`SpeckvCandidateGenerator`, a subclass of transformers'
 ``AssistedCandidateGenerator``. Verification, acceptance (greedy match or
 rejection sampling) and cache handling stay Hugging Face's own code, so the
@@ -45,17 +46,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.generation.candidate_generator import (
-    AssistedCandidateGenerator,
-    _prepare_attention_mask,
-    _prepare_position_ids,
-    _prepare_token_type_ids,
-)
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-from .features import OnlineFeatureState, draft_token_stats_from_logits, paper_features
-from .runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, RuntimePolicy
-from .schema import COMPRESSIONS, ONLINE, PAPER, FeatureSet, get_feature_set
+from ..features import OnlineFeatureState, draft_token_stats_from_logits, paper_features
+from ..runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, RuntimePolicy
+from ..schema import COMPRESSIONS, ONLINE, PAPER, FeatureSet, get_feature_set
+from . import _compat
+from ._compat import AssistedCandidateGenerator
 
 MODES = ("upfront", "per-token", "truncate", "fixed")
 DEFAULT_MAX_GAMMA = 8
@@ -345,22 +342,13 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
             c._verify_t0 = c.clock()
             return input_ids, None
         self.num_assistant_tokens = cap
-        min_new, max_new = self._calculate_new_tokens(input_ids)
-        if not self._update_past_and_masks(input_ids):
-            # no draft cache yet (earlier steps skipped the draft): transformers only syncs the
-            # masks when a cache exists, so bring them to the current length here
-            self.assistant_kwargs = _prepare_attention_mask(
-                self.assistant_kwargs, cur, self.assistant_model.config.is_encoder_decoder
-            )
-            self.assistant_kwargs = _prepare_position_ids(
-                self.assistant_kwargs, cur, self.assistant_model.config.is_encoder_decoder
-            )
-            self.assistant_kwargs = _prepare_token_type_ids(self.assistant_kwargs, cur)
-        args = self._prepare_generation_args(input_ids, min(min_new, max_new), max_new)
+        min_new, max_new = _compat.calculate_new_tokens(self, input_ids)
+        _compat.sync_draft_inputs(self, input_ids)  # also after steps that skipped the draft
+        args = _compat.prepare_generation_args(self, input_ids, min(min_new, max_new), max_new)
         if c.mode in ("upfront", "per-token"):
             c._kept = 0
             args["stopping_criteria"] = StoppingCriteriaList([_PolicyStop(c, cur)])
-        ids, logits = self._generate_candidates(args)
+        ids, logits = _compat.generate_candidates(self, args)
         gamma = c.finish_draft(logits)
         c.after_probe(gamma)
         step = c.current
@@ -431,11 +419,11 @@ class SpeckvHandle:
     def detach(self) -> None:
         """Restore the target's own candidate generator."""
         if self._attached:
-            self.target.__dict__.pop("_get_candidate_generator", None)
+            _compat.uninstall_candidate_generator(self.target)
             self.target.__dict__.pop("generate", None)
             self._attached = False
 
-    def __enter__(self) -> "SpeckvHandle":
+    def __enter__(self) -> SpeckvHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -530,11 +518,11 @@ def attach(
                 f"mode={mode!r} computes the {want.name!r} feature set but the policy expects "
                 f"{decider.feature_set.name!r}"
             )
-    if "_get_candidate_generator" in target.__dict__:
+    if _compat.has_installed_candidate_generator(target):
         raise RuntimeError("a speckv policy is already attached to this model; detach() it first")
     controller = _Controller(decider, mode, compression, gamma_fn, record_tokens, sync_cuda)
     controller.probe_backoff = int(probe_backoff)
-    original = type(target)._get_candidate_generator
+    original = _compat.default_candidate_generator(target)
 
     def _get_candidate_generator(generation_config: Any, input_ids: torch.LongTensor, inputs_tensor: Any,
                                  logits_processor: Any, model_kwargs: dict, assistant_model: Any = None,
@@ -546,7 +534,7 @@ def attach(
             and getattr(generation_config, "assistant_early_exit", None) is None
         )
         if not plain_assisted:
-            return original(target, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+            return original(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                             assistant_model, target_tokenizer, assistant_tokenizer)
         if input_ids.shape[0] != 1:
             raise ValueError(
@@ -577,6 +565,6 @@ def attach(
                 raise ValueError("speckv-policy: assisted decoding does not support beam search (num_beams > 1)")
         return original_generate(*args, **kwargs)
 
-    target._get_candidate_generator = _get_candidate_generator
+    _compat.install_candidate_generator(target, _get_candidate_generator)
     target.generate = generate
     return SpeckvHandle(target, controller)

@@ -1,4 +1,4 @@
-"""A distilled draft for SmolLM2-135M-Instruct, and how it is built.
+"""How the distilled draft for SmolLM2-135M-Instruct is built: corpus, training, copy gate, agreement.
 
 Design (measured feasible in the issue): target layers 0 and 1 copied, the
 input embedding shared with the target and frozen, a trainable head over the
@@ -11,7 +11,7 @@ position), so training never runs the target again.
 Shipped weights hold only what differs from the target (the two layers, the
 final norm, the head and its token ids) in fp16; :func:`load_draft` rebuilds
 the draft from them and the target's embedding, with the context-copy gate
-from ``draft.json`` (:mod:`speckv_policy.context_copy`).
+from ``draft.json`` (:mod:`speckv_policy.smollm2.context_copy`).
 
 Commands (see ``docs/draft.md``)::
 
@@ -22,42 +22,21 @@ Commands (see ``docs/draft.md``)::
     speckv-distill cost    --draft datasets/smollm2/draft
 """
 
+
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+
+from .draft_model import build_draft, head_slots
+from .gguf import target_state
 
 TOPK = 32
-DRAFT_FILE = "draft.safetensors"
-DRAFT_META = "draft.json"
-
-
-class PrunedHead(nn.Module):
-    """Linear head over a subset of the vocabulary; other tokens get -inf.
-
-    The draft can then only propose head tokens, which keeps speculative
-    sampling exact (a token the draft never proposes has q = 0).
-    """
-
-    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.register_buffer("token_ids", token_ids.long(), persistent=False)
-        self.vocab_size = vocab_size
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        small = hidden @ self.weight.t()
-        out = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.token_ids, small)
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -73,8 +52,8 @@ def generate_corpus(prompts: list[Any], *, samples: int = 4, max_new_tokens: int
     """
     from tqdm.auto import tqdm
 
+    from ..prompts import encode_prompt
     from .models import load_model, load_tokenizer
-    from .profiler import _encode
 
     tok = load_tokenizer("smollm2")
     model = load_model("smollm2", dtype)
@@ -91,7 +70,7 @@ def generate_corpus(prompts: list[Any], *, samples: int = 4, max_new_tokens: int
         todo = [(p, s) for p, s in jobs if (s == 0) == greedy]
         for i in range(0, len(todo), batch_size):
             chunk = todo[i:i + batch_size]
-            enc = [_encode(p, tok)[0] for p, _ in chunk]
+            enc = [torch.tensor(encode_prompt(p, tok)) for p, _ in chunk]
             width = max(len(e) for e in enc)
             ids = torch.full((len(enc), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -124,96 +103,6 @@ def generate_corpus(prompts: list[Any], *, samples: int = 4, max_new_tokens: int
     bar.close()
     return out
 
-
-# ----------------------------------------------------------------------------- model
-def _target_state() -> tuple[Any, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    from .models import smollm2_safetensors
-
-    path = smollm2_safetensors()
-    return AutoConfig.from_pretrained(path), load_file(str(path / "model.safetensors"))
-
-
-def build_draft(layers: tuple[int, ...], head_ids: torch.Tensor, config: Any = None,
-                state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32) -> Any:
-    """A draft initialised from the target: chosen layers copied, head from embedding rows."""
-    import copy
-
-    from .context_copy import ContextCopyDraft
-
-    if config is None or state is None:
-        config, state = _target_state()
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = len(layers)
-    cfg.tie_word_embeddings = False
-    if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
-        cfg.layer_types = [cfg.layer_types[i] for i in layers]
-    model = ContextCopyDraft(cfg)
-    sd = {"model.embed_tokens.weight": state["model.embed_tokens.weight"], "model.norm.weight": state["model.norm.weight"]}
-    for new, old in enumerate(layers):
-        for k, v in state.items():
-            pre = f"model.layers.{old}."
-            if k.startswith(pre):
-                sd[f"model.layers.{new}." + k[len(pre):]] = v
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    emb = state["model.embed_tokens.weight"]
-    model.lm_head = PrunedHead(emb[head_ids].clone(), head_ids, cfg.vocab_size)
-    model.model.embed_tokens.weight.requires_grad_(False)
-    return model.to(dtype).eval()
-
-
-def save_draft(model: Any, folder: str | Path, meta: dict[str, Any]) -> None:
-    """Write only what differs from the target (fp16), atomically."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        sd = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
-              if not k.startswith("model.embed_tokens") and k != "lm_head.token_ids"}
-        sd["lm_head.token_ids"] = model.lm_head.token_ids.to(torch.int32).contiguous()
-        save_file(sd, str(tmp / DRAFT_FILE))
-        (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_draft(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
-    """Rebuild the shipped draft from its folder and the target's embedding.
-
-    Raises
-    ------
-    FileNotFoundError
-        If the folder lacks the weights or metadata.
-    """
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    if not (folder / DRAFT_FILE).exists() or not (folder / DRAFT_META).exists():
-        raise FileNotFoundError(f"{folder}: expected {DRAFT_FILE} and {DRAFT_META} (a speckv distilled draft)")
-    meta = json.loads((folder / DRAFT_META).read_text())
-    sd = load_file(str(folder / DRAFT_FILE))
-    head_ids = sd.pop("lm_head.token_ids").long()
-    config, state = _target_state()
-    model = build_draft(tuple(meta["layers"]), head_ids, config, state)
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
-    assert not unexpected and set(missing) == {"model.embed_tokens.weight"}, (missing, unexpected)
-    model.generation_config.pad_token_id = None
-    if meta.get("copy"):
-        model.set_copy_gate(meta["copy"]["a"], meta["copy"]["b"], meta["copy"]["max_match"])
-    return model.to(device=device, dtype=dtype).eval()
 
 
 # ----------------------------------------------------------------------------- training
@@ -268,13 +157,6 @@ def _loss(model: Any, ids, mask, rows, cols, head_pos, tlp, ce_weight: float):
     ce_mask = top >= 0
     ce = -(logq[ce_mask].gather(1, top[ce_mask, None])).mean() if ce_mask.any() else kl * 0
     return kl + ce_weight * ce, kl.item(), ce.item()
-
-
-def _head_slots(model: Any) -> torch.Tensor:
-    """For every vocabulary id, its index in the draft's head (-1 outside it)."""
-    slots = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-    slots[model.lm_head.token_ids] = torch.arange(len(model.lm_head.token_ids))
-    return slots
 
 
 def _copy_inputs(corpus: dict, batch: list[int], max_match: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +217,7 @@ def fit_copy(model: Any, corpus: dict, idx: list[int], max_match: int = 8) -> di
     """
     from .context_copy import fit_copy_gate
 
-    slots = _head_slots(model)
+    slots = head_slots(model)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lq", "p", "hit", "conf", "len")}
     with torch.no_grad():
         for batch in _batches(corpus, idx, 4096, np.random.default_rng(0)):
@@ -392,10 +274,10 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
         s = corpus["ids"][i][corpus["start"][i]:].long()
         counts += torch.bincount(s, minlength=len(counts))[: len(counts)]
     head_ids = counts.argsort(descending=True)[:head_size].sort().values
-    config, state = _target_state()
+    config, state = target_state()
     head_ids = head_ids[head_ids < config.vocab_size]
     model = build_draft(layers, head_ids, config, state)
-    pos_of = _head_slots(model)
+    pos_of = head_slots(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()

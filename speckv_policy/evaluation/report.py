@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from .evaluation import EvalSet
-from .schema import COMPRESSION_CODES
+from ..atomic import atomic_write
+from ..schema import COMPRESSION_CODES
+from .offline import EvalSet
 
 
 def _p(p: float) -> str:
@@ -36,11 +37,11 @@ def markdown(result: dict[str, Any], *, title: str = "Offline evaluation", comma
         "",
         f"## Overall (best fixed gamma in hindsight: {best.split('-')[1]})",
         "",
-        "| strategy | tokens/step | tokens/s | 95% CI | x oracle | x best fixed | 95% CI | p | x fixed 4 | 95% CI | p "
-        "| mean gamma |",
-        "|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|---:|",
+        "| strategy | tokens/step | tokens/s | 95% CI | x oracle | x target alone | 95% CI | p | x best fixed | 95% CI "
+        "| p | x fixed 4 | 95% CI | p | mean gamma |",
+        "|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|---:|",
     ]
-    order = _policies(result) + ["oracle", best, "fixed-4"]
+    order = _policies(result) + ["oracle", "fixed-0", best, "fixed-4"]
     seen = set()
     for name in order:
         if name in seen:
@@ -52,7 +53,7 @@ def markdown(result: dict[str, Any], *, title: str = "Offline evaluation", comma
         row = [f"**{name}**" if name in result["gamma_histogram"] else name, f"{a['tokens_per_step']:.3f}",
                f"{a['tokens_per_second']:.2f}", f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else ""]
         row.append(f"{a['vs_oracle']:.3f}")
-        for key in ("vs_best_fixed", "vs_fixed4"):
+        for key in ("vs_target", "vs_best_fixed", "vs_fixed4"):
             row.append(f"{a[key]:.3f}")
             if key in b:
                 row += [f"{b[key]['ci'][0]:.3f}-{b[key]['ci'][1]:.3f}", _p(b[key]["p_value"])]
@@ -97,19 +98,14 @@ def markdown(result: dict[str, Any], *, title: str = "Offline evaluation", comma
     return "\n".join(lines)
 
 
-def _save(fig: Any, path: Path) -> None:
-    """Write a figure via a temporary file, so a failed write never replaces a good plot."""
-    import os
-
+def save_figure(fig: Any, path: str | Path, dpi: int = 110) -> None:
+    """Write a matplotlib figure as PNG atomically (a failed write never replaces a good plot), then close it."""
     import matplotlib.pyplot as plt
 
-    tmp = path.with_name(path.stem + ".tmp.png")
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
 
 
 def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> list[Path]:
@@ -148,7 +144,7 @@ def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> lis
     fig.suptitle("Acceptance against draft confidence (held-out steps; bins with >= 10 steps)")
     fig.tight_layout()
     written.append(out / "acceptance_vs_confidence.png")
-    _save(fig, written[-1])
+    save_figure(fig, written[-1])
 
     names = _policies(result)
     fig, axes = plt.subplots(1, len(comps), figsize=(4.2 * len(comps), 3.6), sharey=True, squeeze=False)
@@ -166,7 +162,7 @@ def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> lis
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     written.append(out / "gamma_histogram.png")
-    _save(fig, written[-1])
+    save_figure(fig, written[-1])
 
     ov = result["groups"]["overall"]
     boot = result["bootstrap"].get("overall", {})
@@ -184,5 +180,5 @@ def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> lis
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     written.append(out / "tokens_per_second.png")
-    _save(fig, written[-1])
+    save_figure(fig, written[-1])
     return written

@@ -17,16 +17,21 @@ at every compression level, for every policy and reference alike).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from .objective import CostModel, tokens_credited
-from .schema import COMPRESSION_CODES
+from ..features import features_from_log
+from ..objective import CostModel, per_second_scale, rate_label, tokens_credited
+from ..schema import COMPRESSION_CODES
 
 ChooseFn = Callable[[pd.DataFrame], np.ndarray]
+
+#: The reference arm that never drafts: every step a plain target step.
+TARGET_ALONE = "fixed-0"
 
 
 @dataclass
@@ -61,8 +66,6 @@ def evaluation_set(log: pd.DataFrame, feature_sets: tuple[str, ...] = ("online",
     ValueError
         If no step qualifies.
     """
-    from .features import features_from_log
-
     if max_gamma < 1:
         raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
     feats = {}
@@ -121,7 +124,7 @@ class Arm:
 
 def throughput(tokens: np.ndarray, time: np.ndarray, unit: str) -> float:
     """Total tokens over total time, per second (``ms``) or per target step."""
-    scale = 1000.0 if unit == "ms" else 1.0
+    scale = per_second_scale(unit)
     t = float(np.sum(time))
     return scale * float(np.sum(tokens)) / t if t > 0 else float("nan")
 
@@ -142,7 +145,8 @@ def summarize(arms: list[Arm], mask: np.ndarray, unit: str, fixed4: str = "fixed
 
     Returns a dict with ``rows``, ``best_fixed`` (name of the best fixed arm on
     these rows) and ``arms``: name -> {tokens_per_step, tokens_per_second,
-    mean_gamma, vs_oracle, vs_best_fixed, vs_fixed4}.
+    mean_gamma, vs_oracle, vs_best_fixed, vs_fixed4, vs_target}. ``vs_target``
+    compares with ``fixed-0``, the target alone (every step a plain target step).
     """
     per = {}
     for a in arms:
@@ -153,7 +157,7 @@ def summarize(arms: list[Arm], mask: np.ndarray, unit: str, fixed4: str = "fixed
         }
     fixed = [a.name for a in arms if a.kind == "fixed"]
     best = max(fixed, key=lambda n: per[n]["tokens_per_second"])
-    refs = {"vs_oracle": "oracle", "vs_best_fixed": best, "vs_fixed4": fixed4}
+    refs = {"vs_oracle": "oracle", "vs_best_fixed": best, "vs_fixed4": fixed4, "vs_target": TARGET_ALONE}
     for v in per.values():
         for key, ref in refs.items():
             v[key] = v["tokens_per_second"] / per[ref]["tokens_per_second"]
@@ -173,8 +177,8 @@ def paired_bootstrap(arms: list[Arm], clusters: np.ndarray, mask: np.ndarray, *,
     Returns
     -------
     dict
-        name -> {``tokens_per_second_ci``: [lo, hi], ``vs_fixed4`` and
-        ``vs_best_fixed``: {``ratio``, ``ci``, ``p_value``}} for policy arms
+        name -> {``tokens_per_second_ci``: [lo, hi], ``vs_fixed4``,
+        ``vs_best_fixed`` and ``vs_target``: {``ratio``, ``ci``, ``p_value``}} for policy arms
         (references get only their tokens/s interval). The p-value is two-sided
         for "ratio = 1": ``2 (1 + min(#ratio <= 1, #ratio >= 1)) / (B + 1)``,
         capped at 1.
@@ -190,7 +194,7 @@ def paired_bootstrap(arms: list[Arm], clusters: np.ndarray, mask: np.ndarray, *,
     draws = rng.integers(0, n_clusters, size=(n_resamples, n_clusters))
     weights = np.zeros((n_resamples, n_clusters), dtype=np.float64)
     np.add.at(weights, (np.repeat(np.arange(n_resamples), n_clusters), draws.ravel()), 1.0)
-    scale = 1000.0 if unit == "ms" else 1.0
+    scale = per_second_scale(unit)
 
     def per_cluster(x: np.ndarray) -> np.ndarray:
         return np.bincount(inverse, weights=x[mask], minlength=n_clusters)
@@ -210,7 +214,8 @@ def paired_bootstrap(arms: list[Arm], clusters: np.ndarray, mask: np.ndarray, *,
         d: dict[str, Any] = {"tokens_per_second_ci": np.quantile(tps[a.name], [lo_q, hi_q]).tolist()}
         if a.kind == "policy":
             for key, ref_full, ref_boot in (("vs_fixed4", full[fixed4], tps[fixed4]),
-                                            ("vs_best_fixed", full[best_full], best_each)):
+                                            ("vs_best_fixed", full[best_full], best_each),
+                                            ("vs_target", full[TARGET_ALONE], tps[TARGET_ALONE])):
                 r = tps[a.name] / ref_boot
                 n_le, n_ge = int(np.sum(r <= 1.0)), int(np.sum(r >= 1.0))
                 d[key] = {
@@ -256,8 +261,6 @@ def evaluate(eval_set: EvalSet, policies: Mapping[str, tuple[str, ChooseFn]], *,
         and each task type; ``gamma_histogram``: policy -> compression -> counts
         of gamma 0..max; plus ``rows``, ``prompts``, ``max_gamma``.
     """
-    from dataclasses import replace
-
     rows = eval_set.rows
     ref_cost = reference_cost or replace(policy_cost, decision_draft_tokens=0)
     if ref_cost.unit != policy_cost.unit:
@@ -278,7 +281,7 @@ def evaluate(eval_set: EvalSet, policies: Mapping[str, tuple[str, ChooseFn]], *,
         "rows": len(rows),
         "prompts": int(rows["prompt_id"].nunique()),
         "max_gamma": eval_set.max_gamma,
-        "unit": "tokens/s" if unit == "ms" else "tokens per target step",
+        "unit": rate_label(unit),
         "groups": {k: summarize(arms, m, unit) for k, m in masks.items()},
         "bootstrap": {},
         "n_resamples": n_resamples,
@@ -296,3 +299,26 @@ def evaluate(eval_set: EvalSet, policies: Mapping[str, tuple[str, ChooseFn]], *,
                         for c in COMPRESSION_CODES if c in masks}
     result["gamma_histogram"] = hist
     return result
+
+
+def evaluate_log(log: pd.DataFrame, policies: Mapping[str, tuple[str, ChooseFn]], *, policy_cost: CostModel,
+                 max_gamma: int = 8, n_resamples: int = 10_000, seed: int = 0) -> tuple[dict[str, Any], EvalSet]:
+    """:func:`evaluation_set` of the log's held-out steps, then :func:`evaluate` — the one offline evaluator.
+
+    ``speckv-eval``, ``speckv-quickstart`` and ``speckv-export --train`` all
+    report through this function, so the same policy on the same log gets the
+    same figures everywhere: policies pay ``policy_cost`` (the probe token of
+    the upfront mode when ``decision_draft_tokens=1``); the oracle, the fixed
+    gammas and the target alone (``fixed-0``) pay only what they would pay
+    when run (``decision_draft_tokens=0``).
+
+    Returns
+    -------
+    result : dict
+        See :func:`evaluate`.
+    eval_set : EvalSet
+        The rows and features evaluated (for plots).
+    """
+    needed = tuple(sorted({fs for fs, _ in policies.values()} | {"online"}))
+    es = evaluation_set(log, needed, max_gamma=max_gamma)
+    return evaluate(es, policies, policy_cost=policy_cost, n_resamples=n_resamples, seed=seed), es

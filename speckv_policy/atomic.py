@@ -1,0 +1,87 @@
+"""Atomic writes: a file or folder is either the old one or the complete new one, never half of each.
+
+Every writer in the package goes through these helpers: the new content is
+written to a temporary sibling (same folder, so the final rename is atomic on
+POSIX file systems) and renamed over the destination only once it is complete.
+A failing or interrupted write removes its temporary and leaves the old
+destination untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["atomic_write", "atomic_write_text", "atomic_write_dir"]
+
+
+def _plain_file_mode(existing: Path) -> int:
+    """Mode of the file being replaced, or the one a plain ``open()`` would give."""
+    if existing.exists():
+        return existing.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
+    """Call ``write(tmp_path)``, then rename ``tmp_path`` over ``path``.
+
+    Parameters
+    ----------
+    path : path-like
+        Destination file; its parent folders are created.
+    write : callable
+        Receives the temporary file's path (a ``str``, the file exists and is
+        empty) and writes the complete content there.
+
+    Notes
+    -----
+    The temporary name ends in ``.tmp``: a writer that infers a format from the
+    suffix (matplotlib) must be told the format.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, _plain_file_mode(path))  # mkstemp creates 0600
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding=encoding))
+
+
+def atomic_write_dir(path: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
+    """Call ``write(tmp_folder)``, then put ``tmp_folder`` in the place of the folder ``path``.
+
+    An existing ``path`` is removed only once the new folder is complete; the
+    swap itself is two renames, so a crash between them leaves the complete
+    new folder under its temporary name and no half-written one at ``path``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,62 @@
+"""``speckv-profile``: log step-level outcomes of real speculative decoding (see :mod:`speckv_policy.hf.profiler`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..hf.profiler import ProfileConfig, profile
+from ..logs import LogValidationError
+from ..prompts import PromptFileError, read_prompts
+from ..smollm2.models import SMOLLM2_MODELS
+
+
+def _csv(text: str, cast: Any = str) -> tuple[Any, ...]:
+    return tuple(cast(t.strip()) for t in text.split(",") if t.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="speckv-profile", description="Log step-level outcomes of real speculative decoding.")
+    p.add_argument("--target", required=True, help="target model folder, or 'smollm2'")
+    p.add_argument("--draft", required=True, help="draft model folder")
+    p.add_argument("--prompts", required=True, help="JSON-lines prompt file")
+    p.add_argument("--out", required=True, help="step log (.parquet) to create or resume")
+    p.add_argument("--compressions", default="fp32,int8,nf4")
+    p.add_argument("--decodings", default="greedy,sampling")
+    p.add_argument("--gamma-max", type=int, default=8)
+    p.add_argument("--calibration-fraction", type=float, default=0.15)
+    p.add_argument("--fixed-gammas", default="", help="also run constant gammas, e.g. 2,4,6,8 (the paper's runs)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="profile", help="prefix of run ids")
+    p.add_argument("--limit", type=int, help="profile only the first N prompts")
+    p.add_argument("--stride", type=int, default=1, help="profile every N-th prompt (a spread subset)")
+    args = p.parse_args(argv)
+    try:
+        if args.stride < 1:
+            raise ValueError(f"--stride must be >= 1, got {args.stride}")
+        prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
+        cfg = ProfileConfig(
+            target=args.target, draft=args.draft, out=args.out,
+            compressions=_csv(args.compressions), decodings=_csv(args.decodings), gamma_max=args.gamma_max,
+            calibration_fraction=args.calibration_fraction, fixed_gammas=_csv(args.fixed_gammas, int),
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, device=args.device,
+            seed=args.seed, tag=args.tag,
+        )
+        for d in cfg.decodings:
+            if d not in ("greedy", "sampling"):
+                raise ValueError(f"unknown decoding {d!r}; expected greedy or sampling")
+        counts = profile(cfg, prompts, models=SMOLLM2_MODELS)
+    except (PromptFileError, LogValidationError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
+        print(f"speckv-profile: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"speckv-profile: {counts['done']} prompt runs profiled, {counts['skipped']} already in {args.out}, "
+          f"{counts['rows']} steps written")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,13 @@
+"""Hugging Face integration: the generation hook, the step profiler, loading local models.
+
+    from speckv_policy.hf import attach
+    with attach(target, "policy.onnx") as handle:
+        target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
+
+Importing this package checks the installed transformers against the range the
+hook was tested on (:mod:`speckv_policy.hf._compat`).
+"""
+
+from .hook import MODES, SpeckvCandidateGenerator, SpeckvHandle, StepStats, attach, detect_compression
+
+__all__ = ["attach", "detect_compression", "SpeckvHandle", "SpeckvCandidateGenerator", "StepStats", "MODES"]

@@ -1,0 +1,123 @@
+"""Load a local Hugging Face causal LM at a compression level, offline.
+
+``load_model(folder, "nf4")`` loads any local model folder in full precision
+(fp32, bf16, fp16) or quantized by bitsandbytes (INT8, NF4) on CPU or CUDA.
+Nothing is downloaded. A :class:`ModelSource` bundles the three functions the
+profiler and the race need, so a testbed can add its own model names (see
+:data:`speckv_policy.smollm2.models.SMOLLM2_MODELS`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["COMPRESSIONS_LOADABLE", "ModelSource", "LOCAL_MODELS", "load_model", "load_tokenizer", "model_id"]
+
+#: Compression names :func:`load_model` understands.
+COMPRESSIONS_LOADABLE = ("fp32", "bf16", "fp16", "int8", "nf4")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def full_precision_dtype(compression: str) -> torch.dtype:
+    """The torch dtype of a full-precision compression name (``fp32``, ``bf16``, ``fp16``).
+
+    Raises
+    ------
+    ValueError
+        For a quantized or unknown name.
+    """
+    if compression not in _DTYPES:
+        raise ValueError(f"{compression!r} is not a full-precision dtype; expected fp32, bf16 or fp16")
+    return _DTYPES[compression]
+
+
+def _check_folder(path: str | os.PathLike[str]) -> str:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model folder not found: {path}")
+    return str(path)
+
+
+def load_tokenizer(path: str | os.PathLike[str], **from_pretrained: Any) -> Any:
+    """Tokenizer of a local model folder, or None when the folder has none (tiny test models)."""
+    from transformers import AutoTokenizer
+
+    if not from_pretrained:
+        _check_folder(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), **from_pretrained)
+    except (OSError, ValueError):
+        return None
+
+
+def load_model(path: str | os.PathLike[str], compression: str = "fp32", device: str = "cpu",
+               llm_int8_threshold: float | None = None, **from_pretrained: Any) -> Any:
+    """Load a causal LM from a local folder at ``compression`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``nf4``).
+
+    INT8 and NF4 go through bitsandbytes (CPU or CUDA); full precision casts
+    to the named dtype. ``llm_int8_threshold`` overrides bitsandbytes' outlier
+    threshold (6.0); a huge value switches outlier decomposition off, which
+    makes INT8 verification batch-invariant (see docs/hf_hook.md). Extra
+    keywords go to ``from_pretrained`` (e.g. ``gguf_file``).
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` is not a folder.
+    ValueError
+        For an unknown compression name.
+    """
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if not from_pretrained.get("gguf_file"):
+        _check_folder(path)
+    if compression in _DTYPES:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[compression], **from_pretrained)
+        model = model.to(device)
+    elif compression in ("int8", "nf4"):
+        compute = torch.float16 if device.startswith("cuda") else torch.float32
+        int8_kw = {} if llm_int8_threshold is None else {"llm_int8_threshold": llm_int8_threshold}
+        q = (BitsAndBytesConfig(load_in_8bit=True, **int8_kw) if compression == "int8" else
+             BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), quantization_config=q, device_map=device, dtype=compute, **from_pretrained
+            )
+    else:
+        raise ValueError(f"unknown compression {compression!r}; expected {', '.join(COMPRESSIONS_LOADABLE)}")
+    return model.eval()
+
+
+def model_id(path: str | os.PathLike[str]) -> str:
+    """A short identifier for logs: the folder's name."""
+    return Path(path).name
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How model specs (folder paths or names) become models, tokenizers and log identifiers.
+
+    Attributes
+    ----------
+    load_model : callable
+        ``load_model(spec, compression, device) -> model``.
+    load_tokenizer : callable
+        ``load_tokenizer(spec) -> tokenizer or None``.
+    model_id : callable
+        ``model_id(spec) -> str`` written into step logs.
+    """
+
+    load_model: Callable[..., Any]
+    load_tokenizer: Callable[[str], Any]
+    model_id: Callable[[str], str]
+
+
+#: Local Hugging Face model folders only.
+LOCAL_MODELS = ModelSource(load_model=load_model, load_tokenizer=load_tokenizer, model_id=model_id)

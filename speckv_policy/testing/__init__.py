@@ -1,0 +1,5 @@
+"""Tiny random model pairs built in code, for mechanics tests and examples (never for figures)."""
+
+from .tiny import save_tiny_pair, tiny_llama_pair
+
+__all__ = ["tiny_llama_pair", "save_tiny_pair"]

@@ -1,0 +1,48 @@
+"""The layering is enforced, not hoped for: import-linter's contracts (pyproject.toml) pass here and fail on violations."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = Path(sys.executable).parent / "lint-imports"
+
+
+def lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
+    """Run ``lint-imports`` with the repo's contracts on the ``speckv_policy`` found in ``package_parent``."""
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    return subprocess.run([str(LINT), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=package_parent,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_contracts_are_kept():
+    proc = lint_imports(ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4 kept, 0 broken" in proc.stdout
+
+
+@pytest.mark.parametrize("module, line, contract", [
+    ("evaluation/offline.py", "from ..cli import quickstart", "Layers"),  # a lower layer imports a higher one
+    ("smollm2/models.py", "from ..testing import tiny", "Layers"),  # independent siblings
+    ("runtime.py", "import torch", "Runtime"),  # the runtime stays torch-free
+    ("training.py", "from .policies._sklearn_compat import Interval", "Private modules"),
+    ("smollm2/gguf.py", "from . import models", "No import cycle"),  # gguf <-> models
+])
+def test_a_deliberate_violation_breaks_its_contract(tmp_path, module, line, contract):
+    shutil.copytree(ROOT / "speckv_policy", tmp_path / "speckv_policy",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "speckv_policy" / module
+    text = path.read_text()
+    head, rest = text.split("\nfrom __future__ import annotations\n", 1)
+    path.write_text(f"{head}\nfrom __future__ import annotations\n{line}  # deliberate violation\n{rest}")
+    proc = lint_imports(tmp_path)
+    assert proc.returncode != 0, proc.stdout
+    broken = [ln for ln in proc.stdout.splitlines() if ln.rstrip().endswith("BROKEN")]
+    assert any(ln.startswith(contract) for ln in broken), proc.stdout
+    assert "1 broken" in proc.stdout or "2 broken" in proc.stdout, proc.stdout
