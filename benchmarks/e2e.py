@@ -44,8 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default="docs/e2e_speedup.png")
     ap.add_argument("--doc", default="docs/benchmarks.md", help="markdown file whose e2e section is rewritten")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--render", metavar="JSON", default=None,
-                    help="no runs: recompute the summary, goals, plot and doc section from a saved --out JSON")
+    ap.add_argument(
+        "--render",
+        metavar="JSON",
+        default=None,
+        help="no runs: recompute the summary, goals, plot and doc section from a saved --out JSON",
+    )
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
@@ -61,13 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         for task in sorted({p.task_type for p in held}):
             picked += [p for p in held if p.task_type == task][: args.per_task]
         arms = make_arms(Path(args.policy_dir), args.policy_prefix, args.arms.split(",") if args.arms else None)
-        cfg = RaceConfig(target=args.target, draft=args.draft, compressions=_csv(args.compressions),
-                         decodings=_csv(args.decodings), temperature=args.temperature,
-                         max_new_tokens=args.max_new_tokens, repeats=args.repeats, device=args.device, seed=args.seed)
+        cfg = RaceConfig(
+            target=args.target,
+            draft=args.draft,
+            compressions=_csv(args.compressions),
+            decodings=_csv(args.decodings),
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            device=args.device,
+            seed=args.seed,
+        )
         result = run_race(cfg, arms, picked, models=SMOLLM2_MODELS)
         result["config"]["per_task"] = args.per_task
         result["command"] = "python benchmarks/e2e.py " + " ".join(
-            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+        )
         atomic_write_text(args.out, json.dumps(result, indent=1))
     result["plot"] = os.path.relpath(args.plot, Path(args.doc).parent)
     plot(result, Path(args.plot))
@@ -79,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(result["goals"]))
     if not args.render:
         mismatches = result["mismatches"]
-        print(f"greedy mismatches: {len(mismatches)}"
-              + ("" if not mismatches else "\n  " + "\n  ".join(mismatches[:20])))
+        print(
+            f"greedy mismatches: {len(mismatches)}" + ("" if not mismatches else "\n  " + "\n  ".join(mismatches[:20]))
+        )
         print(f"wrote {args.out}, {args.plot}, e2e section of {args.doc}")
     return 1 if unexplained(result["mismatches"]) else 0
 

@@ -42,9 +42,16 @@ def main() -> int:
     from speckv_policy.runtime import RuntimePolicy
     from speckv_policy.testing import save_tiny_pair
 
-    print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
-          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "| onnxruntime", ort.__version__,
-          ort.get_available_providers())
+    print(
+        "torch",
+        torch.__version__,
+        "cuda",
+        torch.cuda.is_available(),
+        torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-",
+        "| onnxruntime",
+        ort.__version__,
+        ort.get_available_providers(),
+    )
     check("cuda available", torch.cuda.is_available())
     rng = np.random.default_rng(0)
     rows = rng.random((256, 7)).astype(np.float32)
@@ -64,8 +71,11 @@ def main() -> int:
             t = time.perf_counter()
             gpu.decide(x[i % len(x)])
             ts.append(time.perf_counter() - t)
-        check(f"ort cuda {f.name}", gpu.provider == "CUDAExecutionProvider" and same == 1.0,
-              f"provider={gpu.provider} agree={same:.3f} p50={np.median(ts) * 1e6:.1f}us (cpu provider is usually faster)")
+        check(
+            f"ort cuda {f.name}",
+            gpu.provider == "CUDAExecutionProvider" and same == 1.0,
+            f"provider={gpu.provider} agree={same:.3f} p50={np.median(ts) * 1e6:.1f}us (cpu provider is usually faster)",
+        )
 
     from transformers import AutoModelForCausalLM
 
@@ -91,15 +101,21 @@ def main() -> int:
                 with attach(target, None, mode="fixed", gamma_fn=lambda s: 4, compression=comp):
                     ours = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
                 ok &= torch.equal(own, ours)
-                print(f"  int8 {prompt}: differs from plain greedy (LLM.int8 outliers); equals transformers' own assisted:",
-                      torch.equal(own, ours))
+                print(
+                    f"  int8 {prompt}: differs from plain greedy (LLM.int8 outliers); equals transformers' own assisted:",
+                    torch.equal(own, ours),
+                )
             else:
                 ok &= torch.equal(out, ref)
         with attach(target, policy, compression=comp) as h:
-            target.generate(torch.tensor([[1, 2, 3]], device="cuda"), max_new_tokens=30, do_sample=False,
-                            assistant_model=draft)
-        check(f"hook cuda tiny {comp}", ok, f"onnx policy steps={len(h.stats)} mean_decision_us="
-              f"{h.summary()['decision_us_mean']:.1f}")
+            target.generate(
+                torch.tensor([[1, 2, 3]], device="cuda"), max_new_tokens=30, do_sample=False, assistant_model=draft
+            )
+        check(
+            f"hook cuda tiny {comp}",
+            ok,
+            f"onnx policy steps={len(h.stats)} mean_decision_us={h.summary()['decision_us_mean']:.1f}",
+        )
     try:
         from speckv_policy.smollm2.models import load_tokenizer
 
@@ -111,8 +127,9 @@ def main() -> int:
             target = load_model("smollm2", comp, "cuda")
             ok = True
             for text in ("Write a Python function that reverses a list.", "What is 17 * 23?"):
-                ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              return_tensors="pt")
+                ids = tok.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+                )
                 ids = (ids["input_ids"] if hasattr(ids, "keys") else ids).to("cuda")
                 ref = target.generate(ids, max_new_tokens=40, do_sample=False)
                 with attach(target, lambda f: int(rng.integers(0, 9)), feature_set="online", compression=comp):

@@ -75,7 +75,7 @@ class _Graph:
         for imp in sub.opset_import:
             if imp.domain not in ("", "ai.onnx"):
                 self.opsets[imp.domain] = max(self.opsets.get(imp.domain, 0), imp.version)
-        return {o.name[len(prefix):]: o.name for o in sub.graph.output}
+        return {o.name[len(prefix) :]: o.name for o in sub.graph.output}
 
 
 def _tokens_from_survival(g: _Graph, surv: str, candidates: np.ndarray) -> str:
@@ -108,8 +108,10 @@ def _gbt_tokens(g: _Graph, p: GBTPolicy, x: str) -> str:
         from skl2onnx import to_onnx
 
         sub = to_onnx(
-            p.model_, np.zeros((1, F + 1), np.float32),
-            target_opset={"": OPSET, "ai.onnx.ml": 3}, options={"zipmap": False},
+            p.model_,
+            np.zeros((1, F + 1), np.float32),
+            target_opset={"": OPSET, "ai.onnx.ml": 3},
+            options={"zipmap": False},
         )
         rep = g.op("Tile", g.op("Unsqueeze", x, g.const([1], np.int64)), g.const([1, K, 1], np.int64))
         pos = g.op("Tile", g.const(np.arange(1, K + 1).reshape(1, K, 1)), g.batch_repeats(x, [1, 1]))
@@ -196,7 +198,9 @@ def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
         raise ValueError("export needs a policy fitted with a named feature_set ('online' or 'paper')")
     builder = next((b for cls, b in _BUILDERS.items() if type(policy) is cls), None)
     if builder is None:
-        raise ValueError(f"no ONNX builder for {type(policy).__name__}; export supports MLPPolicy, GBTPolicy, TablePolicy, FixedGammaPolicy and PaperMLP16Policy")
+        raise ValueError(
+            f"no ONNX builder for {type(policy).__name__}; export supports MLPPolicy, GBTPolicy, TablePolicy, FixedGammaPolicy and PaperMLP16Policy"
+        )
     g = _Graph()
     F = policy.n_features_in_
     x = INPUT_NAME

@@ -128,9 +128,7 @@ class OnlineFeatureState:
         """Beta(1, 1)-smoothed acceptance rate from the decayed counts."""
         return (self.ema_acc + 1.0) / (self.ema_acc + self.ema_rej + 2.0)
 
-    def features(
-        self, conf_first: float, entropy_first: float, context_len: int
-    ) -> np.ndarray:
+    def features(self, conf_first: float, entropy_first: float, context_len: int) -> np.ndarray:
         """Feature vector (``online`` set, float32) for the step about to be drafted."""
         return np.array(
             [
@@ -164,9 +162,7 @@ def paper_features(
     h = np.asarray(entropies_nats, dtype=np.float64) / LN2
     if c.size == 0 or c.shape != h.shape:
         raise ValueError("paper features need >= 1 draft token with matching confidence/entropy")
-    return np.array(
-        [h.mean(), c.mean(), h.max(), c.min(), compression_code(compression)], dtype=np.float32
-    )
+    return np.array([h.mean(), c.mean(), h.max(), c.min(), compression_code(compression)], dtype=np.float32)
 
 
 def as_feature_matrix(features: Any, feature_set: FeatureSet | str) -> np.ndarray:
@@ -206,9 +202,7 @@ def as_feature_matrix(features: Any, feature_set: FeatureSet | str) -> np.ndarra
     return arr
 
 
-def features_from_log(
-    log: pd.DataFrame, feature_set: str = "online"
-) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
     """Compute a feature matrix and censored labels from a validated step log.
 
     Parameters
@@ -246,11 +240,7 @@ def features_from_log(
                 key = k
             assert state is not None
             if r.gamma > 0:
-                rows.append(
-                    state.features(
-                        float(r.draft_confidence[0]), float(r.draft_entropy[0]), int(r.context_len)
-                    )
-                )
+                rows.append(state.features(float(r.draft_confidence[0]), float(r.draft_entropy[0]), int(r.context_len)))
                 index.append(idx)
             state.update(int(r.gamma), int(r.accepted))
     elif fs is PAPER:

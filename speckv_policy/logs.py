@@ -42,7 +42,10 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "accepted": (pa.int64(), "accepted prefix length, 0..gamma"),
     "draft_confidence": (pa.list_(pa.float64()), "per draft token top-1 probability, gamma values in [0, 1]"),
     "draft_entropy": (pa.list_(pa.float64()), "per draft token entropy in nats, gamma values >= 0"),
-    "draft_token_prob": (pa.list_(pa.float64()), "per draft token probability of the drafted token, gamma values in [0, 1]"),
+    "draft_token_prob": (
+        pa.list_(pa.float64()),
+        "per draft token probability of the drafted token, gamma values in [0, 1]",
+    ),
     "draft_ms": (pa.float64(), "wall time spent drafting this step (ms, >= 0)"),
     "verify_ms": (pa.float64(), "wall time of the target's verification forward (ms, >= 0)"),
     "device": (pa.string(), "device the step ran on, e.g. 'cpu', 'cuda:0'"),
@@ -96,17 +99,17 @@ def validate_log(df: pd.DataFrame, source: str = "<memory>") -> pd.DataFrame:
     problems: list[str] = []
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
-        raise LogValidationError(
-            source, [f"missing column '{c}' ({COLUMNS[c][1]})" for c in missing]
-        )
+        raise LogValidationError(source, [f"missing column '{c}' ({COLUMNS[c][1]})" for c in missing])
     if len(df) == 0:
         raise LogValidationError(source, ["log has no rows"])
     df = df[list(COLUMNS)].reset_index(drop=True)
     out: dict[str, Any] = {}
     for col, (typ, desc) in COLUMNS.items():
         s = df[col]
-        null = s.isna().to_numpy() if not pa.types.is_list(typ) else np.array(
-            [v is None or (isinstance(v, float) and np.isnan(v)) for v in s], dtype=bool
+        null = (
+            s.isna().to_numpy()
+            if not pa.types.is_list(typ)
+            else np.array([v is None or (isinstance(v, float) and np.isnan(v)) for v in s], dtype=bool)
         )
         if null.any():
             problems += _row_problems(null, df, col, f"a value ({desc})")
@@ -230,8 +233,9 @@ def append_log(path: str | os.PathLike[str], rows: pd.DataFrame | Iterable[Mappi
     meta: dict[str, str] = {}
     if path.exists():
         old = read_log(path)
-        meta = {k.removeprefix("speckv."): v for k, v in _file_metadata(path).items()
-                if k != "speckv.log_schema_version"}
+        meta = {
+            k.removeprefix("speckv."): v for k, v in _file_metadata(path).items() if k != "speckv.log_schema_version"
+        }
         new = pd.concat([old, validate_log(new, source=f"{path} (appended rows)")], ignore_index=True)
     return write_log(new, path, metadata=meta)
 
@@ -267,7 +271,9 @@ def read_log(path: str | os.PathLike[str]) -> pd.DataFrame:
         raise LogValidationError(str(path), [f"not a readable Parquet file ({exc})"]) from exc
     version = (table.schema.metadata or {}).get(b"speckv.log_schema_version")
     if version is None:
-        raise LogValidationError(str(path), ["no 'speckv.log_schema_version' in the file metadata: not a speckv step log"])
+        raise LogValidationError(
+            str(path), ["no 'speckv.log_schema_version' in the file metadata: not a speckv step log"]
+        )
     if int(version) > LOG_SCHEMA_VERSION:
         raise LogValidationError(
             str(path), [f"log schema version {int(version)} is newer than this package's ({LOG_SCHEMA_VERSION})"]
@@ -279,8 +285,7 @@ def read_csv_log(path: str | os.PathLike[str]) -> pd.DataFrame:
     """Import a CSV step log (per-token lists as JSON arrays) and validate it."""
     path = Path(path)
     try:
-        df = pd.read_csv(path, dtype={"run_id": str, "prompt_id": str}, keep_default_na=False,
-                         na_values=[""])
+        df = pd.read_csv(path, dtype={"run_id": str, "prompt_id": str}, keep_default_na=False, na_values=[""])
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise LogValidationError(str(path), [f"not a readable CSV file ({exc})"]) from exc
     for col in LIST_COLUMNS:

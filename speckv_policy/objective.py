@@ -74,9 +74,7 @@ def tokens_credited(gamma: int | np.ndarray, accepted: np.ndarray, drafted: np.n
     return np.where(np.isnan(tok), np.asarray(drafted) + 1.0, tok)
 
 
-def survival_observations(
-    accepted: np.ndarray, drafted: np.ndarray, max_gamma: int
-) -> tuple[np.ndarray, np.ndarray]:
+def survival_observations(accepted: np.ndarray, drafted: np.ndarray, max_gamma: int) -> tuple[np.ndarray, np.ndarray]:
     """Censored discrete-time labels for ``P(accepted >= k | accepted >= k-1)``.
 
     Returns
@@ -160,13 +158,18 @@ class CostModel:
         if self.decision_draft_tokens not in (0, 1):
             raise ValueError("CostModel.decision_draft_tokens must be 0 or 1")
         if len(self.draft_base_ms) != N_COMPRESSION_CODES or not all(
-                math.isfinite(v) and v >= 0 for v in self.draft_base_ms):
-            raise ValueError(f"CostModel.draft_base_ms needs {N_COMPRESSION_CODES} finite values >= 0, "
-                             f"got {self.draft_base_ms!r}")
+            math.isfinite(v) and v >= 0 for v in self.draft_base_ms
+        ):
+            raise ValueError(
+                f"CostModel.draft_base_ms needs {N_COMPRESSION_CODES} finite values >= 0, got {self.draft_base_ms!r}"
+            )
         if self.verify_table_ms is not None:
             t = self.verify_table_ms
-            if len(t) != N_COMPRESSION_CODES or len({len(r) for r in t}) != 1 or not all(
-                    math.isfinite(v) and v > 0 for r in t for v in r):
+            if (
+                len(t) != N_COMPRESSION_CODES
+                or len({len(r) for r in t}) != 1
+                or not all(math.isfinite(v) and v > 0 for r in t for v in r)
+            ):
                 raise ValueError("CostModel.verify_table_ms needs 3 rows of equal length of finite values > 0")
 
     @classmethod
@@ -178,12 +181,24 @@ class CostModel:
         ``draft_cost`` is ``c`` of Leviathan et al. (draft forward / target forward).
         """
         t = (float(draft_cost),) * 3
-        return cls(t, (1.0,) * 3, (float(verify_cost_per_token),) * 3,
-                   decision_draft_tokens=decision_draft_tokens, unit="target_step")
+        return cls(
+            t,
+            (1.0,) * 3,
+            (float(verify_cost_per_token),) * 3,
+            decision_draft_tokens=decision_draft_tokens,
+            unit="target_step",
+        )
 
     @classmethod
-    def fit(cls, log: Any, *, device: str | None = None, decision_draft_tokens: int = 0,
-            verify: str = "table", min_rows: int = 5) -> CostModel:
+    def fit(
+        cls,
+        log: Any,
+        *,
+        device: str | None = None,
+        decision_draft_tokens: int = 0,
+        verify: str = "table",
+        min_rows: int = 5,
+    ) -> CostModel:
         """Fit from a step log's ``draft_ms`` and ``verify_ms`` columns.
 
         Drafting: a least-squares line in gamma over steps that drafted (fixed
@@ -277,11 +292,19 @@ class CostModel:
             width = max(max(t) for t in tables.values() if t) + 1
             table = tuple(
                 tuple(tables.get(near[c], {}).get(k, vb[c] + vs[c] * k) for k in range(width))
-                for c in range(N_COMPRESSION_CODES))
-        return cls(tuple(dr), tuple(vb), tuple(vs), decision_draft_tokens=decision_draft_tokens,
-                   device=device, unit="ms", n_rows=counts,
-                   draft_base_ms=tuple(draft_base.get(near[c], 0.0) for c in range(N_COMPRESSION_CODES)),
-                   verify_table_ms=table)
+                for c in range(N_COMPRESSION_CODES)
+            )
+        return cls(
+            tuple(dr),
+            tuple(vb),
+            tuple(vs),
+            decision_draft_tokens=decision_draft_tokens,
+            device=device,
+            unit="ms",
+            n_rows=counts,
+            draft_base_ms=tuple(draft_base.get(near[c], 0.0) for c in range(N_COMPRESSION_CODES)),
+            verify_table_ms=table,
+        )
 
     def step_ms(self, gamma: np.ndarray | Sequence[int] | int, code: np.ndarray | int) -> np.ndarray:
         """Expected step time for ``gamma`` at compression ``code`` (broadcast)."""

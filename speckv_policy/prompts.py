@@ -86,8 +86,9 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             raise bad("give exactly one of 'prompt' (text) or 'input_ids' (list of ints)")
         if text is not None and (not isinstance(text, str) or not text.strip()):
             raise bad("'prompt' must be a non-empty string")
-        if ids is not None and (not isinstance(ids, list) or not ids or
-                                not all(isinstance(i, int) and i >= 0 for i in ids)):
+        if ids is not None and (
+            not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids)
+        ):
             raise bad("'input_ids' must be a non-empty list of non-negative ints")
         prompts.append(Prompt(rec["id"], rec["task_type"], split, text, tuple(ids) if ids else None))
     if not prompts:

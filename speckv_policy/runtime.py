@@ -153,8 +153,14 @@ class RuntimePolicy:
 
     def _check_metadata(self) -> None:
         m = self.metadata
-        need = ("speckv.format_version", "speckv.feature_set", "speckv.feature_names",
-                "speckv.feature_schema_version", "speckv.candidates", "speckv.compression_codes")
+        need = (
+            "speckv.format_version",
+            "speckv.feature_set",
+            "speckv.feature_names",
+            "speckv.feature_schema_version",
+            "speckv.candidates",
+            "speckv.compression_codes",
+        )
         missing = [k for k in need if k not in m]
         if missing:
             raise PolicyLoadError(f"{self.path}: not a speckv-policy export (metadata lacks {', '.join(missing)})")
@@ -166,7 +172,9 @@ class RuntimePolicy:
         name = m["speckv.feature_set"]
         fs = FEATURE_SETS.get(name)
         if fs is None:
-            raise PolicyLoadError(f"{self.path}: unknown feature set {name!r}; this package knows {', '.join(FEATURE_SETS)}")
+            raise PolicyLoadError(
+                f"{self.path}: unknown feature set {name!r}; this package knows {', '.join(FEATURE_SETS)}"
+            )
         names = tuple(json.loads(m["speckv.feature_names"]))
         version = int(m["speckv.feature_schema_version"])
         if names != fs.names or version != fs.version:
@@ -176,7 +184,9 @@ class RuntimePolicy:
             )
         codes = json.loads(m["speckv.compression_codes"])
         if codes != COMPRESSION_CODES:
-            raise PolicyLoadError(f"{self.path}: compression codes {codes} differ from this package's {COMPRESSION_CODES}")
+            raise PolicyLoadError(
+                f"{self.path}: compression codes {codes} differ from this package's {COMPRESSION_CODES}"
+            )
         self.feature_set = fs
         self.candidates = np.asarray(json.loads(m["speckv.candidates"]), dtype=np.int64)
 
@@ -245,5 +255,7 @@ class RuntimePolicy:
 
     def __repr__(self) -> str:
         fs = self.feature_set.name if self.feature_set else "?"
-        return (f"RuntimePolicy({self.path!r}, policy={self.metadata.get('speckv.policy', '?')}, "
-                f"feature_set={fs}, candidates={self.candidates.tolist()}, provider={self.provider})")
+        return (
+            f"RuntimePolicy({self.path!r}, policy={self.metadata.get('speckv.policy', '?')}, "
+            f"feature_set={fs}, candidates={self.candidates.tolist()}, provider={self.provider})"
+        )

@@ -66,8 +66,7 @@ class FeatureSet:
             return self.names.index(feature)
         except ValueError:
             raise KeyError(
-                f"feature {feature!r} is not in feature set {self.name!r} "
-                f"(features: {', '.join(self.names)})"
+                f"feature {feature!r} is not in feature set {self.name!r} (features: {', '.join(self.names)})"
             ) from None
 
 
@@ -128,9 +127,7 @@ def get_feature_set(name: str) -> FeatureSet:
     try:
         return FEATURE_SETS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown feature set {name!r}; known: {', '.join(FEATURE_SETS)}"
-        ) from None
+        raise ValueError(f"unknown feature set {name!r}; known: {', '.join(FEATURE_SETS)}") from None
 
 
 def compression_code(compression: str) -> int:
@@ -144,6 +141,4 @@ def compression_code(compression: str) -> int:
     try:
         return COMPRESSION_CODES[compression]
     except KeyError:
-        raise ValueError(
-            f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}"
-        ) from None
+        raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}") from None

@@ -49,13 +49,17 @@ def test_atomic_write_dir(tmp_path):
 
 
 def test_prompt_file_round_trip(tmp_path):
-    records = [{"id": "a", "task_type": "code", "split": "train", "prompt": "Write a loop."},
-               {"id": "b", "task_type": "chat", "split": "heldout", "input_ids": [3, 1, 4]}]
+    records = [
+        {"id": "a", "task_type": "code", "split": "train", "prompt": "Write a loop."},
+        {"id": "b", "task_type": "chat", "split": "heldout", "input_ids": [3, 1, 4]},
+    ]
     path = tmp_path / "p.jsonl"
     write_prompt_file(records, path)
     prompts = read_prompts(path)
-    assert prompts == [Prompt("a", "code", "train", text="Write a loop."),
-                       Prompt("b", "chat", "heldout", input_ids=(3, 1, 4))]
+    assert prompts == [
+        Prompt("a", "code", "train", text="Write a loop."),
+        Prompt("b", "chat", "heldout", input_ids=(3, 1, 4)),
+    ]
     path.write_text(path.read_text() + '{"id": "a", "task_type": "code", "prompt": "again"}\n')
     with pytest.raises(PromptFileError, match=r"p.jsonl, line 3: duplicate id 'a'"):
         read_prompts(path)

@@ -47,9 +47,26 @@ def test_train_then_export(kind, log_path, tmp_path, capsys):
 def test_export_saved_policy_and_options(log_path, tmp_path, capsys):
     saved = tmp_path / "t.joblib"
     first = tmp_path / "a.onnx"
-    assert export_cli.main([str(first), "--train", str(log_path), "--policy", "table", "--candidates", "0,1,2,4",
-                            "--objective", "tokens_per_step", "--decision-draft-tokens", "1",
-                            "--save-policy", str(saved)]) == 0
+    assert (
+        export_cli.main(
+            [
+                str(first),
+                "--train",
+                str(log_path),
+                "--policy",
+                "table",
+                "--candidates",
+                "0,1,2,4",
+                "--objective",
+                "tokens_per_step",
+                "--decision-draft-tokens",
+                "1",
+                "--save-policy",
+                str(saved),
+            ]
+        )
+        == 0
+    )
     second = tmp_path / "b.onnx"
     assert export_cli.main([str(second), "--policy", str(saved)]) == 0
     meta = RuntimePolicy(second).metadata
@@ -104,8 +121,12 @@ def _quickstart_rows(text: str) -> dict[str, list[float]]:
 
 
 def test_quickstart_runs_on_the_shipped_log(tmp_path, capsys):
-    assert quickstart.main(["--log", str(SHIPPED_LOG), "--out", str(tmp_path), "--policies", "table,fixed",
-                            "--bootstrap", "200"]) == 0
+    assert (
+        quickstart.main(
+            ["--log", str(SHIPPED_LOG), "--out", str(tmp_path), "--policies", "table,fixed", "--bootstrap", "200"]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "SYNTHETIC" in text
     assert (tmp_path / "synthetic-table.onnx").exists() and (tmp_path / "synthetic-fixed4.onnx").exists()
@@ -118,12 +139,30 @@ def test_quickstart_prints_what_speckv_eval_prints(tmp_path, capsys):
     """One offline evaluator: the main job's figures equal speckv-eval's for the same policies and log."""
     from speckv_policy.cli import evaluate as eval_cli
 
-    assert quickstart.main(["--log", str(SHIPPED_LOG), "--out", str(tmp_path), "--policies", "gbt,table,fixed",
-                            "--bootstrap", "200"]) == 0
+    assert (
+        quickstart.main(
+            ["--log", str(SHIPPED_LOG), "--out", str(tmp_path), "--policies", "gbt,table,fixed", "--bootstrap", "200"]
+        )
+        == 0
+    )
     rows = _quickstart_rows(capsys.readouterr().out)
     assert set(rows) == {"gbt", "table", "fixed4"}
-    assert eval_cli.main(["--log", str(SHIPPED_LOG), "--policy", str(tmp_path / "*.onnx"), "--out",
-                          str(tmp_path / "eval"), "--bootstrap", "200", "--no-plots"]) == 0
+    assert (
+        eval_cli.main(
+            [
+                "--log",
+                str(SHIPPED_LOG),
+                "--policy",
+                str(tmp_path / "*.onnx"),
+                "--out",
+                str(tmp_path / "eval"),
+                "--bootstrap",
+                "200",
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     arms = result["groups"]["overall"]["arms"]

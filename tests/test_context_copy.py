@@ -39,15 +39,18 @@ def _brute_force(seq: list[int], max_match: int) -> tuple[int, int]:
     return cand, best
 
 
-@pytest.mark.parametrize("seq, max_match, expected", [
-    ([5, 6, 7, 5, 6], 8, (7, 2)),  # "5 6" was followed by 7
-    ([1, 2, 3], 8, (-1, 0)),  # the last token never occurred before
-    ([4], 8, (-1, 0)),
-    ([1, 9, 1, 8, 1], 8, (8, 1)),  # equal lengths: the most recent occurrence
-    ([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 8, (9, 3)),  # the longer match wins over the more recent one
-    ([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2, (7, 2)),  # capped at 2: both match 2, the most recent wins
-    ([7, 7, 7], 8, (7, 2)),  # overlapping occurrences
-])
+@pytest.mark.parametrize(
+    "seq, max_match, expected",
+    [
+        ([5, 6, 7, 5, 6], 8, (7, 2)),  # "5 6" was followed by 7
+        ([1, 2, 3], 8, (-1, 0)),  # the last token never occurred before
+        ([4], 8, (-1, 0)),
+        ([1, 9, 1, 8, 1], 8, (8, 1)),  # equal lengths: the most recent occurrence
+        ([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 8, (9, 3)),  # the longer match wins over the more recent one
+        ([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2, (7, 2)),  # capped at 2: both match 2, the most recent wins
+        ([7, 7, 7], 8, (7, 2)),  # overlapping occurrences
+    ],
+)
 def test_longest_suffix_match_hand_cases(seq, max_match, expected):
     assert longest_suffix_match(np.array(seq), max_match) == expected
 
@@ -65,8 +68,9 @@ def test_copy_candidates_per_position():
 
 
 def test_mixture_is_a_distribution_with_the_stated_weights():
-    log_q = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0, -torch.inf], [0.5, 0.5, 0.5, -torch.inf],
-                                            [1.0, 0.0, 0.0, -torch.inf]]), -1)
+    log_q = torch.log_softmax(
+        torch.tensor([[2.0, 1.0, 0.0, -torch.inf], [0.5, 0.5, 0.5, -torch.inf], [1.0, 0.0, 0.0, -torch.inf]]), -1
+    )
     cand = torch.tensor([1, 3, -1])  # row 1: a candidate the draft gives q = 0; row 2: no match
     length = torch.tensor([2, 1, 0])
     a, b = torch.tensor([0.5, -1.0]), torch.tensor([0.2, 0.3])
@@ -122,15 +126,16 @@ def test_cached_forward_equals_full_forward_even_after_a_crop(pair):
         out = model(seq[:, :6], cache=cache, use_cache=True)
         steps = [out.logits]
         for t in range(6, 10):
-            out = model(seq[:, t:t + 1], cache=out.cache, use_cache=True)
+            out = model(seq[:, t : t + 1], cache=out.cache, use_cache=True)
             steps.append(out.logits)
         torch.testing.assert_close(torch.cat(steps, 1), full[:, :10], atol=1e-5, rtol=1e-5)
         # a rejection: HF crops the cache and feeds other tokens; the kept history must follow
         other = torch.tensor([[9, 9, 1, 2]])
         out.cache.crop(-3)  # 10 cached tokens -> 7
         crop_out = model(other, cache=out.cache, use_cache=True)
-        torch.testing.assert_close(crop_out.logits, model(torch.cat([seq[:, :7], other], 1)).logits[:, 7:],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            crop_out.logits, model(torch.cat([seq[:, :7], other], 1)).logits[:, 7:], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_plain_model_without_a_gate(pair):
@@ -146,9 +151,11 @@ def test_plain_model_without_a_gate(pair):
 
 
 @settings(max_examples=12, deadline=None)
-@given(prompt=st.lists(st.integers(1, 6), min_size=2, max_size=12), gammas=st.lists(st.integers(0, 8), min_size=1,
-                                                                                   max_size=6),
-       n_new=st.integers(1, 30))
+@given(
+    prompt=st.lists(st.integers(1, 6), min_size=2, max_size=12),
+    gammas=st.lists(st.integers(0, 8), min_size=1, max_size=6),
+    n_new=st.integers(1, 30),
+)
 def test_greedy_output_is_the_targets_with_a_copying_draft(pair, prompt, gammas, n_new):
     target, draft = pair
     ids = torch.tensor([prompt])

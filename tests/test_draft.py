@@ -25,9 +25,11 @@ def test_pruned_head_only_scores_its_tokens():
 
 @pytest.fixture(scope="module")
 def corpus():
-    prompts = [Prompt("a", "code", "train", text="Write a Python function that adds two numbers."),
-               Prompt("b", "math", "train", text="What is 12 times 12?"),
-               Prompt("c", "chat", "heldout", text="Why is the sky blue?")]
+    prompts = [
+        Prompt("a", "code", "train", text="Write a Python function that adds two numbers."),
+        Prompt("b", "math", "train", text="What is 12 times 12?"),
+        Prompt("c", "chat", "heldout", text="Why is the sky blue?"),
+    ]
     return generate_corpus(prompts, samples=2, max_new_tokens=12, batch_size=4, progress=False)
 
 
@@ -39,7 +41,7 @@ def test_corpus_records_the_targets_distribution(corpus):
         assert len(corpus["ids"][i]) == corpus["start"][i] + n
         assert (corpus["topk_logp"][i][:, :-1] >= corpus["topk_logp"][i][:, 1:]).all()  # sorted top-k
         if corpus["greedy"][i]:  # a greedy answer takes a top-1 token at every position (bf16 logits can tie)
-            answer = corpus["ids"][i][corpus["start"][i]:]
+            answer = corpus["ids"][i][corpus["start"][i] :]
             hit = corpus["topk_ids"][i] == answer[:, None]
             assert hit.any(1).all()
             chosen = corpus["topk_logp"][i][hit]
@@ -105,7 +107,7 @@ def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path)
     with torch.no_grad():
         logits = loaded(renamed["ids"][i][None].long()).logits[0]
     start, n = renamed["start"][i], len(renamed["topk_ids"][i])
-    hits = (logits[start - 1:start - 1 + n].argmax(-1) == renamed["topk_ids"][i][:, 0].long()).float().mean()
+    hits = (logits[start - 1 : start - 1 + n].argmax(-1) == renamed["topk_ids"][i][:, 0].long()).float().mean()
     assert agreement(loaded, renamed, [i], head_slots(loaded))["overall"] == pytest.approx(float(hits))
     # without fit_prefix every training prompt was fitted: no unseen answers to fit the gate on
     model, meta = train_draft(corpus, head_size=256, minutes=0.05, val_fraction=0.0, progress=False)

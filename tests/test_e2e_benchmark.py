@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_e2e(args: list[str]) -> int:
     """``python benchmarks/e2e.py ARGS`` as a user runs it; returns the exit status."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.returncode
 
@@ -43,15 +48,52 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     d, target, draft = tiny_setup
     doc = d / "bench.md"
     doc.write_text("# Benchmarks\n\nkept text\n")
-    args = ["--target", str(target), "--draft", str(draft), "--prompts", str(d / "prompts.jsonl"),
-            "--per-task", "1", "--compressions", "fp32", "--decodings", "greedy,sampling", "--max-new-tokens", "6",
-            "--policy-prefix", "synthetic-", "--out", str(d / "e2e.json"), "--plot", str(d / "e2e.png"),
-            "--doc", str(doc)]
+    args = [
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--prompts",
+        str(d / "prompts.jsonl"),
+        "--per-task",
+        "1",
+        "--compressions",
+        "fp32",
+        "--decodings",
+        "greedy,sampling",
+        "--max-new-tokens",
+        "6",
+        "--policy-prefix",
+        "synthetic-",
+        "--out",
+        str(d / "e2e.json"),
+        "--plot",
+        str(d / "e2e.png"),
+        "--doc",
+        str(doc),
+    ]
     assert run_e2e(args) == 0
     res = json.loads((d / "e2e.json").read_text())
-    expected = {"target", "fixed-2", "fixed-4", "fixed-6", "fixed-8", "hf-default", "hf-heuristic", "adaedl",
-                "mlp16", "mlp-upfront", "mlp-pertoken", "gbt-upfront", "gbt-pertoken", "table-upfront",
-                "table-pertoken", "mlp-backoff", "gbt-backoff", "table-backoff"}
+    expected = {
+        "target",
+        "fixed-2",
+        "fixed-4",
+        "fixed-6",
+        "fixed-8",
+        "hf-default",
+        "hf-heuristic",
+        "adaedl",
+        "mlp16",
+        "mlp-upfront",
+        "mlp-pertoken",
+        "gbt-upfront",
+        "gbt-pertoken",
+        "table-upfront",
+        "table-pertoken",
+        "mlp-backoff",
+        "gbt-backoff",
+        "table-backoff",
+    }
     assert set(res["arms"]) == expected
     assert res["mismatches"] == []  # every greedy arm reproduced the target's greedy output
     runs = res["runs"]
@@ -90,14 +132,18 @@ def test_adaedl_rule():
 
 
 def test_unexplained_mismatches():
-    ms = ["int8 p1 repeat 0 arm fixed-4: first difference at output token 3",
-          "int8 p1 repeat 0 arm gbt-upfront: first difference at output token 3",
-          "fp32 p2 repeat 0 arm gbt-upfront: first difference at output token 1"]
+    ms = [
+        "int8 p1 repeat 0 arm fixed-4: first difference at output token 3",
+        "int8 p1 repeat 0 arm gbt-upfront: first difference at output token 3",
+        "fp32 p2 repeat 0 arm gbt-upfront: first difference at output token 1",
+    ]
     assert race.unexplained(ms) == ms[2:]
-    tie = ["nf4 p3 repeat 0 arm gbt-backoff: first difference at output token 5 (near tie: logit gap 0.0086, "
-           "chunking noise 0.3046000)",
-           "nf4 p4 repeat 0 arm gbt-backoff: first difference at output token 5 (not a near tie: logit gap 2.5, "
-           "chunking noise 0.3)"]
+    tie = [
+        "nf4 p3 repeat 0 arm gbt-backoff: first difference at output token 5 (near tie: logit gap 0.0086, "
+        "chunking noise 0.3046000)",
+        "nf4 p4 repeat 0 arm gbt-backoff: first difference at output token 5 (not a near tie: logit gap 2.5, "
+        "chunking noise 0.3)",
+    ]
     assert race.unexplained(tie) == tie[1:]
 
 

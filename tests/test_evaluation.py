@@ -30,10 +30,18 @@ COST = CostModel.relative(draft_cost=0.1, verify_cost_per_token=0.05)
 
 def hand_rows(accepted=(0, 3, 8, 1), prompts=("a", "a", "b", "b"), compression="fp16") -> pd.DataFrame:
     n = len(accepted)
-    return pd.DataFrame({"prompt_id": list(prompts), "task_type": ["code"] * n, "compression": [compression] * n,
-                         "decoding": ["greedy"] * n, "accepted": np.array(accepted, dtype=np.int64),
-                         "drafted": np.full(n, 8, dtype=np.int64), "code": np.zeros(n, dtype=np.int64),
-                         "conf_first": np.linspace(0.1, 0.9, n)})
+    return pd.DataFrame(
+        {
+            "prompt_id": list(prompts),
+            "task_type": ["code"] * n,
+            "compression": [compression] * n,
+            "decoding": ["greedy"] * n,
+            "accepted": np.array(accepted, dtype=np.int64),
+            "drafted": np.full(n, 8, dtype=np.int64),
+            "code": np.zeros(n, dtype=np.int64),
+            "conf_first": np.linspace(0.1, 0.9, n),
+        }
+    )
 
 
 def test_oracle_and_fixed_gammas_by_hand():
@@ -130,8 +138,7 @@ def test_speckv_eval_cli_end_to_end(synthetic, tmp_path, capsys):
     write_log(synthetic[0], log_path)
     out = tmp_path / "eval"
     policies = sorted(str(p) for p in (ROOT / "exported").glob("synthetic-*.onnx"))
-    assert eval_cli.main(["--log", str(log_path), "--policy", *policies, "--out", str(out),
-                          "--bootstrap", "300"]) == 0
+    assert eval_cli.main(["--log", str(log_path), "--policy", *policies, "--out", str(out), "--bootstrap", "300"]) == 0
     text = capsys.readouterr().out
     assert "synthetic-gbt" in text and "x best fixed" in text
     res = json.loads((out / "eval.json").read_text())
@@ -150,8 +157,12 @@ def test_speckv_eval_clear_errors(synthetic, tmp_path, capsys):
     write_log(synthetic[0], log_path)
     assert eval_cli.main(["--log", str(log_path), "--policy", str(tmp_path / "none.onnx")]) == 2
     assert "policy not found" in capsys.readouterr().err
-    assert eval_cli.main(["--log", str(tmp_path / "missing.parquet"), "--policy",
-                          str(ROOT / "exported" / "synthetic-gbt.onnx")]) == 2
+    assert (
+        eval_cli.main(
+            ["--log", str(tmp_path / "missing.parquet"), "--policy", str(ROOT / "exported" / "synthetic-gbt.onnx")]
+        )
+        == 2
+    )
     assert "missing.parquet" in capsys.readouterr().err
 
 
@@ -166,9 +177,23 @@ def test_speckv_eval_takes_joblib_policies_and_matches_onnx(synthetic, tmp_path,
     save_policy(policy, tmp_path / "table.joblib")
     export_onnx(policy, tmp_path / "table_onnx.onnx")
     out = tmp_path / "eval"
-    assert eval_cli.main(["--log", str(log_path), "--policy", str(tmp_path / "table.joblib"),
-                          str(tmp_path / "table_onnx.onnx"), "--out", str(out), "--bootstrap", "50",
-                          "--no-plots"]) == 0
+    assert (
+        eval_cli.main(
+            [
+                "--log",
+                str(log_path),
+                "--policy",
+                str(tmp_path / "table.joblib"),
+                str(tmp_path / "table_onnx.onnx"),
+                "--out",
+                str(out),
+                "--bootstrap",
+                "50",
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     res = json.loads((out / "eval.json").read_text())
     a, b = res["groups"]["overall"]["arms"]["table"], res["groups"]["overall"]["arms"]["table_onnx"]
     assert a["tokens_per_second"] == pytest.approx(b["tokens_per_second"])  # same decisions from Python and ONNX
@@ -180,15 +205,30 @@ def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path):
     shipped = json.loads((ROOT / "docs" / "eval" / "eval.json").read_text())
     out = tmp_path / "eval"
     policies = [str(ROOT / p) for p in shipped["policies"].values()]
-    assert eval_cli.main(["--log", str(ROOT / shipped["log"]), "--policy", *policies, "--out", str(out),
-                          "--bootstrap", "20", "--no-plots"]) == 0
+    assert (
+        eval_cli.main(
+            [
+                "--log",
+                str(ROOT / shipped["log"]),
+                "--policy",
+                *policies,
+                "--out",
+                str(out),
+                "--bootstrap",
+                "20",
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     now = json.loads((out / "eval.json").read_text())
     assert now["rows"] == shipped["rows"] and now["prompts"] == shipped["prompts"]
     for group, s in shipped["groups"].items():
         assert now["groups"][group]["best_fixed"] == s["best_fixed"], group
         for name, arm in s["arms"].items():
             assert now["groups"][group]["arms"][name]["tokens_per_second"] == pytest.approx(
-                arm["tokens_per_second"], rel=1e-9), (group, name)
+                arm["tokens_per_second"], rel=1e-9
+            ), (group, name)
 
 
 def test_references_pay_only_what_they_run():

@@ -200,8 +200,9 @@ def test_default_int8_matches_transformers_own_assisted_decoding(saved_pair):
             assert torch.equal(ours, hf_own), (g, prompt)
 
 
-@pytest.mark.parametrize("bad", [lambda f: 1 / 0, lambda f: -1, lambda f: 99, lambda f: "four", lambda f: float("nan"),
-                                 lambda f: 2.5])
+@pytest.mark.parametrize(
+    "bad", [lambda f: 1 / 0, lambda f: -1, lambda f: 99, lambda f: "four", lambda f: float("nan"), lambda f: 2.5]
+)
 def test_broken_policy_falls_back_with_one_warning(pair, bad):
     target, draft = pair
     ids = torch.tensor([[5, 6, 7]])
@@ -308,6 +309,8 @@ def test_transformers_version_outside_the_tested_range_is_a_clear_error(monkeypa
     # an internal that disappeared is named, with both versions
     monkeypatch.delenv("SPECKV_ALLOW_UNTESTED_TRANSFORMERS")
     monkeypatch.delattr(_compat.AssistedCandidateGenerator, "_generate_candidates")
-    with pytest.raises(_compat.IncompatibleTransformersError,
-                       match=rf"transformers {transformers.__version__} lacks .*_generate_candidates"):
+    with pytest.raises(
+        _compat.IncompatibleTransformersError,
+        match=rf"transformers {transformers.__version__} lacks .*_generate_candidates",
+    ):
         _compat.check_transformers_version()

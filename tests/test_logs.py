@@ -32,8 +32,10 @@ def test_parquet_round_trip_with_version(small, tmp_path):
     assert meta[b"speckv.log_schema_version"] == str(LOG_SCHEMA_VERSION).encode()
     assert meta[b"speckv.profile"] == b"unit"
     back = read_log(path)
-    pd.testing.assert_frame_equal(back.drop(columns=["draft_confidence", "draft_entropy", "draft_token_prob"]),
-                                  validate_log(small).drop(columns=["draft_confidence", "draft_entropy", "draft_token_prob"]))
+    pd.testing.assert_frame_equal(
+        back.drop(columns=["draft_confidence", "draft_entropy", "draft_token_prob"]),
+        validate_log(small).drop(columns=["draft_confidence", "draft_entropy", "draft_token_prob"]),
+    )
     for a, b in zip(back["draft_entropy"], small["draft_entropy"]):
         np.testing.assert_allclose(a, b)
 

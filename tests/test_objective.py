@@ -60,8 +60,18 @@ def test_analytic_formula_hand_values():
 
 @pytest.mark.parametrize(
     "alpha,c,best",
-    [(0.8, 0.05, 8), (0.8, 0.1, 6), (0.8, 0.2, 4), (0.8, 0.3, 3), (0.8, 0.5, 2),
-     (0.9, 0.05, 13), (0.9, 0.1, 10), (0.9, 0.2, 7), (0.9, 0.3, 5), (0.9, 0.5, 3)],
+    [
+        (0.8, 0.05, 8),
+        (0.8, 0.1, 6),
+        (0.8, 0.2, 4),
+        (0.8, 0.3, 3),
+        (0.8, 0.5, 2),
+        (0.9, 0.05, 13),
+        (0.9, 0.1, 10),
+        (0.9, 0.2, 7),
+        (0.9, 0.3, 5),
+        (0.9, 0.5, 3),
+    ],
 )
 def test_best_gamma_reproduces_published_table(alpha, c, best):
     # Leviathan et al.: speed-up E / (gamma c + 1): our cost model with a flat verifier
@@ -111,8 +121,16 @@ def test_cost_model_table_catches_a_cheap_single_token_step():
     g = rng.integers(0, 9, size=900)
     verify = np.where(g == 0, 40.0, 60.0 + g) * rng.uniform(0.98, 1.02, size=g.size)
     draft = np.where(g > 0, 3.0 + 4.0 * g, 0.0)
-    log = pd.DataFrame({"device": "cpu", "compression": "fp32", "gamma": g, "draft_ms": draft,
-                        "verify_ms": verify, "step": np.arange(g.size) % 30 + 1})
+    log = pd.DataFrame(
+        {
+            "device": "cpu",
+            "compression": "fp32",
+            "gamma": g,
+            "draft_ms": draft,
+            "verify_ms": verify,
+            "step": np.arange(g.size) % 30 + 1,
+        }
+    )
     table = CostModel.fit(log)
     line = CostModel.fit(log, verify="line")
     assert table.step_ms(0, 0) == pytest.approx(40.0, rel=0.02)
@@ -156,8 +174,9 @@ def test_realized_throughput_hand_computed():
     assert realized_throughput(chosen, acc, drafted, np.zeros(2, int), cm) == pytest.approx(1000 * 7 / 260)
     assert realized_throughput(chosen, acc, drafted, np.zeros(2, int), cm, "tokens_per_step") == 3.5
     # censored choice (6 > drafted 4, all accepted) credited only the known 5 tokens
-    assert realized_throughput(np.array([6]), np.array([4]), np.array([4]), np.zeros(1, int), cm,
-                               "tokens_per_step") == 5.0
+    assert (
+        realized_throughput(np.array([6]), np.array([4]), np.array([4]), np.zeros(1, int), cm, "tokens_per_step") == 5.0
+    )
 
 
 def test_tokens_per_second_refuses_free_drafting():

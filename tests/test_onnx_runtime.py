@@ -125,9 +125,12 @@ def test_feature_order_mismatch(exported, tmp_path):
 def test_foreign_onnx_model(tmp_path):
     from onnx import TensorProto, helper
 
-    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     path = tmp_path / "foreign.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
     with pytest.raises(PolicyLoadError, match="not a speckv-policy export"):

@@ -27,16 +27,30 @@ def setup(tmp_path_factory):
     rng = np.random.default_rng(0)
     lines = []
     for i in range(4):
-        lines.append(json.dumps({"id": f"p{i}", "task_type": ["code", "math", "chat", "summarization"][i],
-                                 "split": "heldout" if i == 3 else "train",
-                                 "input_ids": rng.integers(1, 64, size=int(rng.integers(2, 8))).tolist()}))
+        lines.append(
+            json.dumps(
+                {
+                    "id": f"p{i}",
+                    "task_type": ["code", "math", "chat", "summarization"][i],
+                    "split": "heldout" if i == 3 else "train",
+                    "input_ids": rng.integers(1, 64, size=int(rng.integers(2, 8))).tolist(),
+                }
+            )
+        )
     (d / "prompts.jsonl").write_text("\n".join(lines) + "\n")
     return d, str(target), str(draft)
 
 
 def _cfg(d, target, draft, out, **kw):
-    base = dict(target=target, draft=draft, out=str(out), compressions=("fp32", "nf4"),
-                decodings=("greedy", "sampling"), max_new_tokens=30, seed=3)
+    base = dict(
+        target=target,
+        draft=draft,
+        out=str(out),
+        compressions=("fp32", "nf4"),
+        decodings=("greedy", "sampling"),
+        max_new_tokens=30,
+        seed=3,
+    )
     base.update(kw)
     return ProfileConfig(**base)
 
@@ -95,21 +109,27 @@ def test_interrupted_profile_resumes_to_the_same_rows(setup, full_run, monkeypat
 def test_fixed_gamma_runs(setup, tmp_path):
     d, target, draft = setup
     out = tmp_path / "fixed.parquet"
-    profiler.profile(_cfg(d, target, draft, out, compressions=("fp32",), decodings=("greedy",), fixed_gammas=(2, 4)),
-                     read_prompts(d / "prompts.jsonl")[:2], progress=False)
+    profiler.profile(
+        _cfg(d, target, draft, out, compressions=("fp32",), decodings=("greedy",), fixed_gammas=(2, 4)),
+        read_prompts(d / "prompts.jsonl")[:2],
+        progress=False,
+    )
     log = read_log(out)
     assert set(log["run_id"]) == {"profile-fp32-greedy", "profile-fp32-greedy-g2", "profile-fp32-greedy-g4"}
     assert set(log.loc[log["run_id"].str.endswith("-g4"), "gamma"]) == {4}
 
 
-@pytest.mark.parametrize("line,msg", [
-    ("{not json", "line 2: not valid JSON"),
-    ('{"id": "x", "task_type": "poetry", "input_ids": [1]}', "line 2: task_type must be one of"),
-    ('{"id": "x", "task_type": "code"}', "line 2: give exactly one of 'prompt'"),
-    ('{"id": "a", "task_type": "code", "input_ids": [1]}', "line 2: duplicate id 'a'"),
-    ('{"id": "x", "task_type": "code", "input_ids": [-1]}', "line 2: 'input_ids' must be"),
-    ('{"id": "x", "task_type": "code", "split": "test", "prompt": "hi"}', "line 2: split must be"),
-])
+@pytest.mark.parametrize(
+    "line,msg",
+    [
+        ("{not json", "line 2: not valid JSON"),
+        ('{"id": "x", "task_type": "poetry", "input_ids": [1]}', "line 2: task_type must be one of"),
+        ('{"id": "x", "task_type": "code"}', "line 2: give exactly one of 'prompt'"),
+        ('{"id": "a", "task_type": "code", "input_ids": [1]}', "line 2: duplicate id 'a'"),
+        ('{"id": "x", "task_type": "code", "input_ids": [-1]}', "line 2: 'input_ids' must be"),
+        ('{"id": "x", "task_type": "code", "split": "test", "prompt": "hi"}', "line 2: split must be"),
+    ],
+)
 def test_bad_prompt_file_names_the_line(tmp_path, line, msg):
     f = tmp_path / "p.jsonl"
     f.write_text('{"id": "a", "task_type": "code", "input_ids": [1, 2]}\n' + line + "\n")
@@ -120,7 +140,10 @@ def test_bad_prompt_file_names_the_line(tmp_path, line, msg):
 def test_cli_reports_prompt_errors(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text("[1, 2]\n")
-    assert profile_cli.main(["--target", "t", "--draft", "d", "--prompts", str(f), "--out", str(tmp_path / "o.parquet")]) == 2
+    assert (
+        profile_cli.main(["--target", "t", "--draft", "d", "--prompts", str(f), "--out", str(tmp_path / "o.parquet")])
+        == 2
+    )
     assert "line 1: expected a JSON object" in capsys.readouterr().err
 
 
@@ -138,8 +161,17 @@ def test_runtime_features_equal_log_features():
     with attach(target, policy, compression="int8", feature_set="online", record_tokens=True) as h:
         target.generate(ids, max_new_tokens=60, do_sample=True, temperature=0.7, assistant_model=draft)
     prompt = Prompt("p", "code", "train", input_ids=(3, 1, 4, 1, 5))
-    rows = profiler.stats_to_rows(h.stats + [h.stats[-1]], run_id="r", prompt=prompt, compression="int8",
-                                  decoding="sampling", temperature=0.7, device="cpu", draft_id="d", target_id="t")
+    rows = profiler.stats_to_rows(
+        h.stats + [h.stats[-1]],
+        run_id="r",
+        prompt=prompt,
+        compression="int8",
+        decoding="sampling",
+        temperature=0.7,
+        device="cpu",
+        draft_id="d",
+        target_id="t",
+    )
     log = validate_log(__import__("pandas").DataFrame(rows))
     X, acc, drafted = features_from_log(log, "online")
     runtime = np.array([f for f, s in zip(seen, h.stats) if s.gamma > 0])

@@ -51,8 +51,9 @@ def test_prompt_encoding_is_the_chat_template(tokenizer):
     from speckv_policy.prompts import encode_prompt
 
     for p in read_prompts(PROMPTS)[::40]:
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                            return_tensors="pt")
+        enc = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p.text}], add_generation_prompt=True, return_tensors="pt"
+        )
         ids = enc["input_ids"] if hasattr(enc, "keys") else enc
         assert encode_prompt(p, tokenizer) == ids[0].tolist(), p.id
 
@@ -143,7 +144,9 @@ def test_shipped_profile():
     assert set(log["task_type"]) == {"code", "math", "chat", "summarization"}
     assert set(log["compression"]) == {"fp32", "int8", "nf4"}
     assert set(log["decoding"]) == {"greedy", "sampling"}
-    assert set(log["target_model"]) == {"SmolLM2-135M-Instruct"} and not log["draft_model"].str.contains("synthetic").any()
+    assert (
+        set(log["target_model"]) == {"SmolLM2-135M-Instruct"} and not log["draft_model"].str.contains("synthetic").any()
+    )
     held_ids = {p.id for p in read_prompts(PROMPTS) if p.split == "heldout"}
     assert set(log.loc[log["split"] == "heldout", "prompt_id"]) <= held_ids
     assert not set(log.loc[log["split"] == "train", "prompt_id"]) & held_ids

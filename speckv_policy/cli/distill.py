@@ -37,49 +37,71 @@ def _load_corpora(paths: str) -> dict:
 def _fit_copy_command(args: argparse.Namespace) -> None:
     folder = Path(args.draft)
     if not (folder / DRAFT_META).exists():
-        raise SystemExit(f"speckv-distill: error: {folder} has no {DRAFT_META} (a folder written by "
-                         "'speckv-distill train')")
+        raise SystemExit(
+            f"speckv-distill: error: {folder} has no {DRAFT_META} (a folder written by 'speckv-distill train')"
+        )
     if args.max_match < 1:
         raise SystemExit(f"speckv-distill: error: --max-match must be >= 1, got {args.max_match}")
     meta = json.loads((folder / DRAFT_META).read_text())
     prefix = meta.get("fit_prefix")
     if not prefix:
-        raise SystemExit(f"speckv-distill: error: {folder / DRAFT_META} has no fit_prefix: the copy gate is fitted "
-                         "on answers the draft never fitted (train with --fit-prefix)")
+        raise SystemExit(
+            f"speckv-distill: error: {folder / DRAFT_META} has no fit_prefix: the copy gate is fitted "
+            "on answers the draft never fitted (train with --fit-prefix)"
+        )
     corpus = _load_corpora(args.corpus)
-    val = [i for i, s in enumerate(corpus["split"]) if s == "train" and corpus["greedy"][i]
-           and not corpus["prompt_id"][i].startswith(prefix)]
+    val = [
+        i
+        for i, s in enumerate(corpus["split"])
+        if s == "train" and corpus["greedy"][i] and not corpus["prompt_id"][i].startswith(prefix)
+    ]
     held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
     if not val:
-        raise SystemExit(f"speckv-distill: error: {args.corpus} has no greedy answer to a training prompt whose id "
-                         f"does not start with {prefix!r} (the draft's validation prompts)")
+        raise SystemExit(
+            f"speckv-distill: error: {args.corpus} has no greedy answer to a training prompt whose id "
+            f"does not start with {prefix!r} (the draft's validation prompts)"
+        )
     model = load_draft(folder)
     model.clear_copy_gate()  # measure without any earlier gate first
     slots = head_slots(model)
-    before = {"validation": agreement(model, corpus, val, slots)["overall"],
-              "heldout": agreement(model, corpus, held, slots) if held else {}}
+    before = {
+        "validation": agreement(model, corpus, val, slots)["overall"],
+        "heldout": agreement(model, corpus, held, slots) if held else {},
+    }
     t0 = time.time()
     gate = fit_copy(model, corpus, val, args.max_match)
     meta["copy"] = gate
-    meta["copy_fit"] = {"answers": len(val), "positions": sum(len(corpus["topk_ids"][i]) for i in val),
-                        "seconds": round(time.time() - t0, 1),
-                        "validation_agreement_without_copy": round(before["validation"], 4),
-                        "validation_agreement": round(agreement(model, corpus, val, slots)["overall"], 4)}
+    meta["copy_fit"] = {
+        "answers": len(val),
+        "positions": sum(len(corpus["topk_ids"][i]) for i in val),
+        "seconds": round(time.time() - t0, 1),
+        "validation_agreement_without_copy": round(before["validation"], 4),
+        "validation_agreement": round(agreement(model, corpus, val, slots)["overall"], 4),
+    }
     if held:
         meta["heldout_agreement_without_copy"] = before["heldout"]
         meta["heldout_agreement"] = agreement(model, corpus, held, slots)
     atomic_write_text(folder / DRAFT_META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    print(json.dumps({k: meta.get(k) for k in ("copy", "copy_fit", "heldout_agreement_without_copy",
-                                               "heldout_agreement")}, indent=1))
+    print(
+        json.dumps(
+            {k: meta.get(k) for k in ("copy", "copy_fit", "heldout_agreement_without_copy", "heldout_agreement")},
+            indent=1,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="speckv-distill", description="Distil a draft for SmolLM2-135M-Instruct.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("prompts", help="template prompts for distillation (training only; the target writes the "
-                                         "summarization passages)")
-    g.add_argument("--heldout", default="datasets/prompts/prompts.jsonl",
-                   help="prompt file whose held-out prompts must not be repeated")
+    g = sub.add_parser(
+        "prompts",
+        help="template prompts for distillation (training only; the target writes the summarization passages)",
+    )
+    g.add_argument(
+        "--heldout",
+        default="datasets/prompts/prompts.jsonl",
+        help="prompt file whose held-out prompts must not be repeated",
+    )
     g.add_argument("--out", required=True)
     g.add_argument("--per-task", type=int, default=220)
     g.add_argument("--seed", type=int, default=0)
@@ -100,17 +122,23 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--layers", default="0,1")
     t.add_argument("--head-size", type=int, default=8192)
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--val-fraction", type=float, default=0.1,
-                   help="share of training prompts for checkpoint selection (0: keep the last step)")
-    t.add_argument("--fit-prefix", default=None,
-                   help="fit only training prompts whose id starts with this (e.g. gen-); the other training "
-                        "prompts select the checkpoint")
+    t.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="share of training prompts for checkpoint selection (0: keep the last step)",
+    )
+    t.add_argument(
+        "--fit-prefix",
+        default=None,
+        help="fit only training prompts whose id starts with this (e.g. gen-); the other training "
+        "prompts select the checkpoint",
+    )
     k = sub.add_parser("cost", help="ms per generated token: draft vs target (fp32, CPU)")
     k.add_argument("--draft", required=True)
     k.add_argument("--tokens", type=int, default=32)
     k.add_argument("--no-copy", action="store_true", help="time the draft without its context-copy gate")
-    cp = sub.add_parser("copy", help="fit the draft's context-copy gate on its validation answers (updates "
-                                     "draft.json)")
+    cp = sub.add_parser("copy", help="fit the draft's context-copy gate on its validation answers (updates draft.json)")
     cp.add_argument("--corpus", required=True, help="corpus file(s) with the validation and held-out answers")
     cp.add_argument("--draft", required=True)
     cp.add_argument("--max-match", type=int, default=8)
@@ -120,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for path in (getattr(args, "corpus", None) or "").split(","):
         if path and not os.path.exists(path):
-            print(f"speckv-distill: error: corpus not found: {path} (make one with 'speckv-distill corpus')",
-                  file=sys.stderr)
+            print(
+                f"speckv-distill: error: corpus not found: {path} (make one with 'speckv-distill corpus')",
+                file=sys.stderr,
+            )
             return 2
     torch.set_num_threads(os.cpu_count() or 1)
     if args.cmd == "prompts":
@@ -133,23 +163,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prompts: {len(records)} training prompts -> {args.out}")
     elif args.cmd == "corpus":
         t0 = time.time()
-        corpus = generate_corpus(read_prompts(args.prompts), samples=args.samples, max_new_tokens=args.max_new_tokens,
-                                 batch_size=args.batch_size, dtype=args.dtype, temperature=args.temperature,
-                                 seed=args.seed, greedy_answers=not args.sampled_only)
+        corpus = generate_corpus(
+            read_prompts(args.prompts),
+            samples=args.samples,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            dtype=args.dtype,
+            temperature=args.temperature,
+            seed=args.seed,
+            greedy_answers=not args.sampled_only,
+        )
         corpus["minutes"] = round((time.time() - t0) / 60, 1)
         atomic_write(args.out, lambda tmp: torch.save(corpus, tmp))
         n = sum(len(x) for x in corpus["topk_ids"])
         print(f"corpus: {len(corpus['ids'])} answers, {n} answer tokens, {corpus['minutes']} min -> {args.out}")
     elif args.cmd == "train":
         corpus = _load_corpora(args.corpus)
-        model, meta = train_draft(corpus, layers=tuple(int(x) for x in args.layers.split(",")),
-                                  head_size=args.head_size, minutes=args.minutes, lr=args.lr,
-                                  val_fraction=args.val_fraction, fit_prefix=args.fit_prefix)
+        model, meta = train_draft(
+            corpus,
+            layers=tuple(int(x) for x in args.layers.split(",")),
+            head_size=args.head_size,
+            minutes=args.minutes,
+            lr=args.lr,
+            val_fraction=args.val_fraction,
+            fit_prefix=args.fit_prefix,
+        )
         meta["corpus_minutes"] = corpus.get("minutes")
         save_draft(model, args.out, meta)
-        print(json.dumps({k: meta[k] for k in ("steps", "best_step", "validation_agreement", "train_minutes",
-                                               "train_tokens", "heldout_agreement",
-                                               "train_agreement")}, indent=1))
+        print(
+            json.dumps(
+                {
+                    k: meta[k]
+                    for k in (
+                        "steps",
+                        "best_step",
+                        "validation_agreement",
+                        "train_minutes",
+                        "train_tokens",
+                        "heldout_agreement",
+                        "train_agreement",
+                    )
+                },
+                indent=1,
+            )
+        )
     elif args.cmd == "cost":
         from ..smollm2.models import load_model
 

@@ -40,14 +40,23 @@ def load_for_eval(path: str) -> tuple[str, Callable[[Any], np.ndarray]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="speckv-eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--log", default=DEFAULT_LOG, help=f"step log (default {DEFAULT_LOG})")
-    ap.add_argument("--policy", nargs="+", default=None,
-                    help=f".onnx exports or joblib-saved policies (default {DEFAULT_POLICIES}); globs allowed")
+    ap.add_argument(
+        "--policy",
+        nargs="+",
+        default=None,
+        help=f".onnx exports or joblib-saved policies (default {DEFAULT_POLICIES}); globs allowed",
+    )
     ap.add_argument("--out", default="docs/eval", help="output folder (default docs/eval)")
     ap.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-gamma", type=int, default=8, help="outcomes known up to this gamma (default 8)")
-    ap.add_argument("--decision-draft-tokens", type=int, choices=[0, 1], default=1,
-                    help="draft tokens a policy pays before deciding (1: the hook's upfront mode, default)")
+    ap.add_argument(
+        "--decision-draft-tokens",
+        type=int,
+        choices=[0, 1],
+        default=1,
+        help="draft tokens a policy pays before deciding (1: the hook's upfront mode, default)",
+    )
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
 
@@ -74,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"two policies are named {name!r}; rename one file")
             policies[name] = load_for_eval(path)
         cost = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
-        result, es = evaluate_log(log, policies, policy_cost=cost, max_gamma=args.max_gamma,
-                                  n_resamples=args.bootstrap, seed=args.seed)
+        result, es = evaluate_log(
+            log, policies, policy_cost=cost, max_gamma=args.max_gamma, n_resamples=args.bootstrap, seed=args.seed
+        )
     except (LogValidationError, FileNotFoundError, ValueError) as exc:
         print(f"speckv-eval: error: {exc}", file=sys.stderr)
         return 2
@@ -95,15 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(out / "eval.json", json.dumps(result, indent=1))
     atomic_write_text(out / "eval.md", md)
     ov = result["groups"]["overall"]
-    print(f"{result['rows']} held-out steps, {result['prompts']} prompts; best fixed gamma "
-          f"{ov['best_fixed'].split('-')[1]}")
+    print(
+        f"{result['rows']} held-out steps, {result['prompts']} prompts; best fixed gamma "
+        f"{ov['best_fixed'].split('-')[1]}"
+    )
     for name in policies:
         a = ov["arms"][name]
         b = result["bootstrap"]["overall"][name]
-        print(f"{name:<22} {a['tokens_per_second']:8.2f} {result['unit']}  x target {a['vs_target']:.3f} "
-              f"[{b['vs_target']['ci'][0]:.3f}, {b['vs_target']['ci'][1]:.3f}]  x best fixed {a['vs_best_fixed']:.3f} "
-              f"[{b['vs_best_fixed']['ci'][0]:.3f}, {b['vs_best_fixed']['ci'][1]:.3f}]  x fixed4 {a['vs_fixed4']:.3f} "
-              f"[{b['vs_fixed4']['ci'][0]:.3f}, {b['vs_fixed4']['ci'][1]:.3f}]  x oracle {a['vs_oracle']:.3f}")
+        print(
+            f"{name:<22} {a['tokens_per_second']:8.2f} {result['unit']}  x target {a['vs_target']:.3f} "
+            f"[{b['vs_target']['ci'][0]:.3f}, {b['vs_target']['ci'][1]:.3f}]  x best fixed {a['vs_best_fixed']:.3f} "
+            f"[{b['vs_best_fixed']['ci'][0]:.3f}, {b['vs_best_fixed']['ci'][1]:.3f}]  x fixed4 {a['vs_fixed4']:.3f} "
+            f"[{b['vs_fixed4']['ci'][0]:.3f}, {b['vs_fixed4']['ci'][1]:.3f}]  x oracle {a['vs_oracle']:.3f}"
+        )
     print(f"wrote {out / 'eval.md'}, {out / 'eval.json'}" + ("" if args.no_plots else " and 3 plots"))
     return 0
 

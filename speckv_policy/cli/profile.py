@@ -17,7 +17,9 @@ def _csv(text: str, cast: Any = str) -> tuple[Any, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="speckv-profile", description="Log step-level outcomes of real speculative decoding.")
+    p = argparse.ArgumentParser(
+        prog="speckv-profile", description="Log step-level outcomes of real speculative decoding."
+    )
     p.add_argument("--target", required=True, help="target model folder, or 'smollm2'")
     p.add_argument("--draft", required=True, help="draft model folder")
     p.add_argument("--prompts", required=True, help="JSON-lines prompt file")
@@ -40,11 +42,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--stride must be >= 1, got {args.stride}")
         prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
         cfg = ProfileConfig(
-            target=args.target, draft=args.draft, out=args.out,
-            compressions=_csv(args.compressions), decodings=_csv(args.decodings), gamma_max=args.gamma_max,
-            calibration_fraction=args.calibration_fraction, fixed_gammas=_csv(args.fixed_gammas, int),
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, device=args.device,
-            seed=args.seed, tag=args.tag,
+            target=args.target,
+            draft=args.draft,
+            out=args.out,
+            compressions=_csv(args.compressions),
+            decodings=_csv(args.decodings),
+            gamma_max=args.gamma_max,
+            calibration_fraction=args.calibration_fraction,
+            fixed_gammas=_csv(args.fixed_gammas, int),
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            device=args.device,
+            seed=args.seed,
+            tag=args.tag,
         )
         for d in cfg.decodings:
             if d not in ("greedy", "sampling"):
@@ -53,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     except (PromptFileError, LogValidationError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
         print(f"speckv-profile: error: {exc}", file=sys.stderr)
         return 2
-    print(f"speckv-profile: {counts['done']} prompt runs profiled, {counts['skipped']} already in {args.out}, "
-          f"{counts['rows']} steps written")
+    print(
+        f"speckv-profile: {counts['done']} prompt runs profiled, {counts['skipped']} already in {args.out}, "
+        f"{counts['rows']} steps written"
+    )
     return 0
 
 

@@ -24,10 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", default=DEFAULT_LOG, help=f"step log to train on (default {DEFAULT_LOG})")
     p.add_argument("--out", default="out", help="folder for the .onnx exports (default ./out)")
     p.add_argument("--policies", default=",".join(KINDS), help="comma-separated kinds to train")
-    p.add_argument("--decision-draft-tokens", type=int, choices=[0, 1], default=1,
-                   help="draft tokens paid before deciding: 1 for the hook's default upfront mode (default)")
-    p.add_argument("--bootstrap", type=int, default=2000,
-                   help="paired bootstrap resamples over prompts for the CIs (default 2000)")
+    p.add_argument(
+        "--decision-draft-tokens",
+        type=int,
+        choices=[0, 1],
+        default=1,
+        help="draft tokens paid before deciding: 1 for the hook's default upfront mode (default)",
+    )
+    p.add_argument(
+        "--bootstrap", type=int, default=2000, help="paired bootstrap resamples over prompts for the CIs (default 2000)"
+    )
     args = p.parse_args(argv)
 
     from ..evaluation import evaluate_log
@@ -41,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k.strip() for k in args.policies.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in POLICIES]
     if not kinds or unknown:
-        print(f"speckv-quickstart: error: --policies needs kinds from {', '.join(POLICIES)}"
-              + (f"; unknown: {', '.join(unknown)}" if unknown else ""), file=sys.stderr)
+        print(
+            f"speckv-quickstart: error: --policies needs kinds from {', '.join(POLICIES)}"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else ""),
+            file=sys.stderr,
+        )
         return 2
     try:
         log = read_log(args.log)
@@ -55,14 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     cm = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
     out = Path(args.out)
     n_train = int((log["split"] == "train").sum())
-    print(f"log {args.log}: {len(log)} steps ({n_train} train / {len(log) - n_train} held-out)"
-          + ("  [SYNTHETIC data: known acceptance process, not a model]" if synthetic else ""))
+    print(
+        f"log {args.log}: {len(log)} steps ({n_train} train / {len(log) - n_train} held-out)"
+        + ("  [SYNTHETIC data: known acceptance process, not a model]" if synthetic else "")
+    )
     print(f"cost model fitted on {cm.device} (ms; per compression code 0 = full precision, 1 = int8, 2 = nf4):")
     for code in range(len(cm.draft_ms_per_token)):
-        print(f"  {code}: draft {cm.draft_base_ms[code]:.1f} per call + {cm.draft_ms_per_token[code]:.2f} per token; "
-              + (f"verify for gamma 0..{len(cm.verify_table_ms[code]) - 1}: "
-                 f"{np.round(cm.verify_table_ms[code], 1).tolist()}" if cm.verify_table_ms else
-                 f"verify {cm.verify_base_ms[code]:.1f} + {cm.verify_ms_per_token[code]:.2f} per token"))
+        print(
+            f"  {code}: draft {cm.draft_base_ms[code]:.1f} per call + {cm.draft_ms_per_token[code]:.2f} per token; "
+            + (
+                f"verify for gamma 0..{len(cm.verify_table_ms[code]) - 1}: "
+                f"{np.round(cm.verify_table_ms[code], 1).tolist()}"
+                if cm.verify_table_ms
+                else f"verify {cm.verify_base_ms[code]:.1f} + {cm.verify_ms_per_token[code]:.2f} per token"
+            )
+        )
     status = 0
     policies = {}
     checks = {}
@@ -87,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     result, _ = evaluate_log(log, policies, policy_cost=cm, n_resamples=args.bootstrap)
     ov = result["groups"]["overall"]
     boot = result["bootstrap"].get("overall", {})
-    header = (f"{'policy':<12} {'tok/s':>7} {'x target':>9} {'95% CI':>13} {'x best fixed':>13} {'95% CI':>13} "
-              f"{'x fixed4':>9} {'x oracle':>9} {'mean gamma':>11} {'ONNX=Py':>8} {'p50 us':>7}  file")
+    header = (
+        f"{'policy':<12} {'tok/s':>7} {'x target':>9} {'95% CI':>13} {'x best fixed':>13} {'95% CI':>13} "
+        f"{'x fixed4':>9} {'x oracle':>9} {'mean gamma':>11} {'ONNX=Py':>8} {'p50 us':>7}  file"
+    )
     print(header)
     print("-" * len(header))
 
@@ -98,16 +116,20 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, (agree, p50, path) in checks.items():
         a = ov["arms"][name]
-        print(f"{name:<12} {a['tokens_per_second']:7.2f} {a['vs_target']:9.3f} {ci(name, 'vs_target'):>13} "
-              f"{a['vs_best_fixed']:13.3f} {ci(name, 'vs_best_fixed'):>13} {a['vs_fixed4']:9.3f} "
-              f"{a['vs_oracle']:9.3f} {a['mean_gamma']:11.2f} {agree:8.2%} {p50:7.1f}  {path}")
+        print(
+            f"{name:<12} {a['tokens_per_second']:7.2f} {a['vs_target']:9.3f} {ci(name, 'vs_target'):>13} "
+            f"{a['vs_best_fixed']:13.3f} {ci(name, 'vs_best_fixed'):>13} {a['vs_fixed4']:9.3f} "
+            f"{a['vs_oracle']:9.3f} {a['mean_gamma']:11.2f} {agree:8.2%} {p50:7.1f}  {path}"
+        )
     ref = ov["arms"]
-    print(f"(held-out prompts only: {result['rows']} steps of {result['prompts']} prompts; policies pay "
-          f"{args.decision_draft_tokens} probe draft token(s) before deciding, references pay only what they run: "
-          f"target alone {ref['fixed-0']['tokens_per_second']:.2f} {result['unit']}, best fixed gamma in hindsight "
-          f"= {ov['best_fixed'].split('-')[1]} ({ref[ov['best_fixed']]['tokens_per_second']:.2f}), oracle "
-          f"{ref['oracle']['tokens_per_second']:.2f} = per-step best gamma knowing the outcome; CIs: paired "
-          f"bootstrap over prompts, {args.bootstrap} resamples; same figures as speckv-eval)")
+    print(
+        f"(held-out prompts only: {result['rows']} steps of {result['prompts']} prompts; policies pay "
+        f"{args.decision_draft_tokens} probe draft token(s) before deciding, references pay only what they run: "
+        f"target alone {ref['fixed-0']['tokens_per_second']:.2f} {result['unit']}, best fixed gamma in hindsight "
+        f"= {ov['best_fixed'].split('-')[1]} ({ref[ov['best_fixed']]['tokens_per_second']:.2f}), oracle "
+        f"{ref['oracle']['tokens_per_second']:.2f} = per-step best gamma knowing the outcome; CIs: paired "
+        f"bootstrap over prompts, {args.bootstrap} resamples; same figures as speckv-eval)"
+    )
     return int(status)
 
 

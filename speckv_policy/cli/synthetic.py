@@ -10,8 +10,10 @@ from ..logs import write_csv_log, write_log
 
 def main(argv: list[str] | None = None) -> int:
     """Write a SYNTHETIC log; see :mod:`speckv_policy.evaluation.synthetic` for the process."""
-    p = argparse.ArgumentParser(prog="python -m speckv_policy.cli.synthetic",
-                                description="Write a SYNTHETIC step log with a known acceptance process.")
+    p = argparse.ArgumentParser(
+        prog="python -m speckv_policy.cli.synthetic",
+        description="Write a SYNTHETIC step log with a known acceptance process.",
+    )
     p.add_argument("output", help=".parquet or .csv path (written atomically)")
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--steps", type=int, default=30, help="steps per prompt and compression level")
@@ -21,8 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.output.endswith(".csv"):
         write_csv_log(log, args.output)
     else:
-        write_log(log, args.output, metadata={"synthetic": "true", "generator": "speckv_policy.evaluation.synthetic",
-                                              "seed": str(args.seed)})
+        write_log(
+            log,
+            args.output,
+            metadata={"synthetic": "true", "generator": "speckv_policy.evaluation.synthetic", "seed": str(args.seed)},
+        )
     print(f"wrote {len(log)} SYNTHETIC steps ({args.prompts} prompts x 3 compressions x {args.steps}) to {args.output}")
     return 0
 

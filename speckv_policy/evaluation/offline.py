@@ -54,8 +54,9 @@ class EvalSet:
     max_gamma: int = 8
 
 
-def evaluation_set(log: pd.DataFrame, feature_sets: tuple[str, ...] = ("online", "paper"),
-                   max_gamma: int = 8, split: str = "heldout") -> EvalSet:
+def evaluation_set(
+    log: pd.DataFrame, feature_sets: tuple[str, ...] = ("online", "paper"), max_gamma: int = 8, split: str = "heldout"
+) -> EvalSet:
     """Select the ``split`` steps that drafted at least ``max_gamma`` tokens.
 
     Features are computed over the whole log first (the online state of a step
@@ -80,16 +81,18 @@ def evaluation_set(log: pd.DataFrame, feature_sets: tuple[str, ...] = ("online",
     if not keep.any():
         raise ValueError(f"no {split} steps drafted >= {max_gamma} tokens; profile with gamma_max >= {max_gamma}")
     sub = sub[keep]
-    rows = pd.DataFrame({
-        "prompt_id": sub["prompt_id"].to_numpy(),
-        "task_type": sub["task_type"].to_numpy(),
-        "compression": sub["compression"].to_numpy(),
-        "decoding": sub["decoding"].to_numpy(),
-        "accepted": sub["accepted"].to_numpy(np.int64),
-        "drafted": sub["gamma"].to_numpy(np.int64),
-        "code": sub["compression"].map(COMPRESSION_CODES).to_numpy(np.int64),
-        "conf_first": np.array([float(c[0]) for c in sub["draft_confidence"]]),
-    })
+    rows = pd.DataFrame(
+        {
+            "prompt_id": sub["prompt_id"].to_numpy(),
+            "task_type": sub["task_type"].to_numpy(),
+            "compression": sub["compression"].to_numpy(),
+            "decoding": sub["decoding"].to_numpy(),
+            "accepted": sub["accepted"].to_numpy(np.int64),
+            "drafted": sub["gamma"].to_numpy(np.int64),
+            "code": sub["compression"].map(COMPRESSION_CODES).to_numpy(np.int64),
+            "conf_first": np.array([float(c[0]) for c in sub["draft_confidence"]]),
+        }
+    )
     features = {k: v.loc[sub.index].reset_index(drop=True) for k, v in feats.items()}
     return EvalSet(rows, features, max_gamma)
 
@@ -164,9 +167,17 @@ def summarize(arms: list[Arm], mask: np.ndarray, unit: str, fixed4: str = "fixed
     return {"rows": int(mask.sum()), "best_fixed": best, "arms": per}
 
 
-def paired_bootstrap(arms: list[Arm], clusters: np.ndarray, mask: np.ndarray, *, n_resamples: int = 10_000,
-                     seed: int = 0, unit: str = "ms", fixed4: str = "fixed-4",
-                     level: float = 0.95) -> dict[str, dict[str, Any]]:
+def paired_bootstrap(
+    arms: list[Arm],
+    clusters: np.ndarray,
+    mask: np.ndarray,
+    *,
+    n_resamples: int = 10_000,
+    seed: int = 0,
+    unit: str = "ms",
+    fixed4: str = "fixed-4",
+    level: float = 0.95,
+) -> dict[str, dict[str, Any]]:
     """Paired bootstrap over clusters (prompts) of tokens/s and of ratios.
 
     Each resample draws prompts with replacement; every arm is evaluated on the
@@ -213,9 +224,11 @@ def paired_bootstrap(arms: list[Arm], clusters: np.ndarray, mask: np.ndarray, *,
     for a in arms:
         d: dict[str, Any] = {"tokens_per_second_ci": np.quantile(tps[a.name], [lo_q, hi_q]).tolist()}
         if a.kind == "policy":
-            for key, ref_full, ref_boot in (("vs_fixed4", full[fixed4], tps[fixed4]),
-                                            ("vs_best_fixed", full[best_full], best_each),
-                                            ("vs_target", full[TARGET_ALONE], tps[TARGET_ALONE])):
+            for key, ref_full, ref_boot in (
+                ("vs_fixed4", full[fixed4], tps[fixed4]),
+                ("vs_best_fixed", full[best_full], best_each),
+                ("vs_target", full[TARGET_ALONE], tps[TARGET_ALONE]),
+            ):
                 r = tps[a.name] / ref_boot
                 n_le, n_ge = int(np.sum(r <= 1.0)), int(np.sum(r >= 1.0))
                 d[key] = {
@@ -244,8 +257,15 @@ def group_masks(rows: pd.DataFrame) -> dict[str, np.ndarray]:
     return masks
 
 
-def evaluate(eval_set: EvalSet, policies: Mapping[str, tuple[str, ChooseFn]], *, policy_cost: CostModel,
-             reference_cost: CostModel | None = None, n_resamples: int = 10_000, seed: int = 0) -> dict[str, Any]:
+def evaluate(
+    eval_set: EvalSet,
+    policies: Mapping[str, tuple[str, ChooseFn]],
+    *,
+    policy_cost: CostModel,
+    reference_cost: CostModel | None = None,
+    n_resamples: int = 10_000,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Evaluate ``policies`` (name -> (feature set, choose function)) on ``eval_set``.
 
     ``policy_cost`` prices the policies' choices (usually with
@@ -289,20 +309,31 @@ def evaluate(eval_set: EvalSet, policies: Mapping[str, tuple[str, ChooseFn]], *,
     for k, m in masks.items():
         if "/" in k or rows.loc[m, "prompt_id"].nunique() < 2:
             continue
-        result["bootstrap"][k] = paired_bootstrap(arms, rows["prompt_id"].to_numpy(), m, n_resamples=n_resamples,
-                                                  seed=seed, unit=unit)
+        result["bootstrap"][k] = paired_bootstrap(
+            arms, rows["prompt_id"].to_numpy(), m, n_resamples=n_resamples, seed=seed, unit=unit
+        )
     hist: dict[str, dict[str, list[int]]] = {}
     for a in arms:
         if a.kind != "policy":
             continue
-        hist[a.name] = {c: np.bincount(a.chosen[masks[c]], minlength=eval_set.max_gamma + 1).tolist()
-                        for c in COMPRESSION_CODES if c in masks}
+        hist[a.name] = {
+            c: np.bincount(a.chosen[masks[c]], minlength=eval_set.max_gamma + 1).tolist()
+            for c in COMPRESSION_CODES
+            if c in masks
+        }
     result["gamma_histogram"] = hist
     return result
 
 
-def evaluate_log(log: pd.DataFrame, policies: Mapping[str, tuple[str, ChooseFn]], *, policy_cost: CostModel,
-                 max_gamma: int = 8, n_resamples: int = 10_000, seed: int = 0) -> tuple[dict[str, Any], EvalSet]:
+def evaluate_log(
+    log: pd.DataFrame,
+    policies: Mapping[str, tuple[str, ChooseFn]],
+    *,
+    policy_cost: CostModel,
+    max_gamma: int = 8,
+    n_resamples: int = 10_000,
+    seed: int = 0,
+) -> tuple[dict[str, Any], EvalSet]:
     """:func:`evaluation_set` of the log's held-out steps, then :func:`evaluate` — the one offline evaluator.
 
     ``speckv-eval``, ``speckv-quickstart`` and ``speckv-export --train`` all

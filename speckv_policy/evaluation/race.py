@@ -80,17 +80,40 @@ def make_arms(policy_dir: Path, prefix: str, names: list[str] | None) -> list[Ar
     off = {"num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
     arms = [ArmSpec("target", assistant=False)]
     arms += [ArmSpec(f"fixed-{g}", hf={**off, "num_assistant_tokens": g}, group="fixed") for g in (2, 4, 6, 8)]
-    arms.append(ArmSpec("hf-default", hf={"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-                                          "assistant_confidence_threshold": 0.4}))
-    arms.append(ArmSpec("hf-heuristic", hf={"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "heuristic",
-                                            "assistant_confidence_threshold": 0.0}))
+    arms.append(
+        ArmSpec(
+            "hf-default",
+            hf={
+                "num_assistant_tokens": 20,
+                "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.4,
+            },
+        )
+    )
+    arms.append(
+        ArmSpec(
+            "hf-heuristic",
+            hf={
+                "num_assistant_tokens": 20,
+                "num_assistant_tokens_schedule": "heuristic",
+                "assistant_confidence_threshold": 0.0,
+            },
+        )
+    )
     arms.append(ArmSpec("adaedl", policy=adaedl_policy, mode="per-token"))
     arms.append(ArmSpec("mlp16", policy=policy_dir / f"{prefix}paper-mlp16.onnx", mode="truncate"))
     for kind in OURS:
         for mode, tag in (("upfront", "upfront"), ("per-token", "pertoken")):
             arms.append(ArmSpec(f"{kind}-{tag}", policy=policy_dir / f"{prefix}{kind}.onnx", mode=mode, group="ours"))
-        arms.append(ArmSpec(f"{kind}-backoff", policy=policy_dir / f"{prefix}{kind}.onnx", mode="upfront",
-                            group="ours", backoff=BACKOFF))
+        arms.append(
+            ArmSpec(
+                f"{kind}-backoff",
+                policy=policy_dir / f"{prefix}{kind}.onnx",
+                mode="upfront",
+                group="ours",
+                backoff=BACKOFF,
+            )
+        )
     if names:
         unknown = sorted(set(names) - {a.name for a in arms})
         if unknown:
@@ -125,14 +148,19 @@ def unexplained(mismatches: list[str]) -> list[str]:
     return [m for m in mismatches if m.split(" arm ")[0] not in own and f"({NEAR_TIE}:" not in m]
 
 
-def _median_paired_ratio(by: dict[tuple, dict[str, Any]], pairs: list[tuple], med: dict[str, float], arm: str,
-                         ref: str | None) -> float | None:
+def _median_paired_ratio(
+    by: dict[tuple, dict[str, Any]], pairs: list[tuple], med: dict[str, float], arm: str, ref: str | None
+) -> float | None:
     """Median over (prompt, repeat) pairs of ``time per token of ref / time per token of arm``."""
     if ref is None or arm not in med or ref not in med:
         return None
-    v = [by[p + (ref,)]["seconds"] / max(by[p + (ref,)]["tokens"], 1)
-         / (by[p + (arm,)]["seconds"] / max(by[p + (arm,)]["tokens"], 1))
-         for p in pairs if p + (arm,) in by and p + (ref,) in by]
+    v = [
+        by[p + (ref,)]["seconds"]
+        / max(by[p + (ref,)]["tokens"], 1)
+        / (by[p + (arm,)]["seconds"] / max(by[p + (arm,)]["tokens"], 1))
+        for p in pairs
+        if p + (arm,) in by and p + (ref,) in by
+    ]
     return float(np.median(v))
 
 
@@ -143,14 +171,19 @@ def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any
     tasks = sorted({r["task_type"] for r in runs})
     for comp, dec in keys:
         for task in [None, *tasks]:
-            sel = [r for r in runs if r["compression"] == comp and r["decoding"] == dec
-                   and (task is None or r["task_type"] == task)]
+            sel = [
+                r
+                for r in runs
+                if r["compression"] == comp and r["decoding"] == dec and (task is None or r["task_type"] == task)
+            ]
             if not sel:
                 continue
             by = {(r["prompt_id"], r["repeat"], r["arm"]): r for r in sel}
             pairs = sorted({(r["prompt_id"], r["repeat"]) for r in sel})
-            ms = {a: [1e3 * by[p + (a,)]["seconds"] / max(by[p + (a,)]["tokens"], 1) for p in pairs if p + (a,) in by]
-                  for a in arms}
+            ms = {
+                a: [1e3 * by[p + (a,)]["seconds"] / max(by[p + (a,)]["tokens"], 1) for p in pairs if p + (a,) in by]
+                for a in arms
+            }
             med = {a: float(np.median(v)) for a, v in ms.items() if v}
             fixed = [a for a in med if a.startswith("fixed-")]
             best_fixed = min(fixed, key=lambda a: med[a]) if fixed else None
@@ -160,10 +193,17 @@ def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any
                 dec_s = sum(by[p + (a,)]["decision_s"] for p in pairs if p + (a,) in by)
                 tot_s = sum(by[p + (a,)]["seconds"] for p in pairs if p + (a,) in by)
                 cell["arms"][a] = {
-                    "ms_per_token": med[a], "tokens_per_second": 1e3 / med[a],
-                    **{key: _median_paired_ratio(by, pairs, med, a, ref) for key, ref in (
-                        ("vs_target", "target"), ("vs_fixed4", "fixed-4"), ("vs_best_fixed", best_fixed),
-                        ("vs_hf_default", "hf-default"))},
+                    "ms_per_token": med[a],
+                    "tokens_per_second": 1e3 / med[a],
+                    **{
+                        key: _median_paired_ratio(by, pairs, med, a, ref)
+                        for key, ref in (
+                            ("vs_target", "target"),
+                            ("vs_fixed4", "fixed-4"),
+                            ("vs_best_fixed", best_fixed),
+                            ("vs_hf_default", "hf-default"),
+                        )
+                    },
                     "decision_share": dec_s / tot_s if tot_s > 0 else 0.0,
                 }
             cells[(comp, dec, task or "all")] = cell
@@ -178,34 +218,52 @@ def markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
     arms = result["arms"]
     ours = [a for a in arms if a.split("-")[0] in OURS]
-    lines = [BEGIN, "", "## End-to-end wall clock (`benchmarks/e2e.py`)", "", "```", result["command"], "```", "",
-             f"Machine: {result['machine']}. Target {cfg['target']}, draft {cfg['draft']}; {cfg['prompts']} held-out "
-             f"prompts ({cfg['per_task']} per task type), {cfg['max_new_tokens']} new tokens, {cfg['repeats']} "
-             f"repeat(s), arms interleaved per prompt; {result['minutes']:.1f} min in all. Figures are medians over "
-             "runs of time per output token; ratios are medians of per-run ratios against the same prompt's run of "
-             "the reference (x target = speed-up over the target alone).", ""]
+    lines = [
+        BEGIN,
+        "",
+        "## End-to-end wall clock (`benchmarks/e2e.py`)",
+        "",
+        "```",
+        result["command"],
+        "```",
+        "",
+        f"Machine: {result['machine']}. Target {cfg['target']}, draft {cfg['draft']}; {cfg['prompts']} held-out "
+        f"prompts ({cfg['per_task']} per task type), {cfg['max_new_tokens']} new tokens, {cfg['repeats']} "
+        f"repeat(s), arms interleaved per prompt; {result['minutes']:.1f} min in all. Figures are medians over "
+        "runs of time per output token; ratios are medians of per-run ratios against the same prompt's run of "
+        "the reference (x target = speed-up over the target alone).",
+        "",
+    ]
     for key, cell in result["summary"].items():
         comp, dec, task = key.split("/")
         if task != "all":
             continue
         bf = cell["best_fixed"]
-        lines += [f"### {comp}, {dec} (best fixed gamma: {bf.split('-')[1] if bf else '-'})", "",
-                  "| arm | tokens/s | ms/token | x target | x fixed 4 | x best fixed | x HF default | decision share |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"### {comp}, {dec} (best fixed gamma: {bf.split('-')[1] if bf else '-'})",
+            "",
+            "| arm | tokens/s | ms/token | x target | x fixed 4 | x best fixed | x HF default | decision share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for a in arms:
             v = cell["arms"].get(a)
             if v is None:
                 continue
             name = f"**{a}**" if a in ours else a
             share = f"{100 * v['decision_share']:.2f}%" if a in ours or a in ("mlp16", "adaedl") else ""
-            lines.append(f"| {name} | {v['tokens_per_second']:.2f} | {v['ms_per_token']:.1f} | {_fmt(v['vs_target'])} | "
-                         f"{_fmt(v['vs_fixed4'])} | {_fmt(v['vs_best_fixed'])} | {_fmt(v['vs_hf_default'])} | {share} |")
+            lines.append(
+                f"| {name} | {v['tokens_per_second']:.2f} | {v['ms_per_token']:.1f} | {_fmt(v['vs_target'])} | "
+                f"{_fmt(v['vs_fixed4'])} | {_fmt(v['vs_best_fixed'])} | {_fmt(v['vs_hf_default'])} | {share} |"
+            )
         lines.append("")
     tasks = sorted({k.split("/")[2] for k in result["summary"]} - {"all"})
     if tasks:
-        lines += ["### x target alone by task type (greedy)", "",
-                  "| arm | " + " | ".join(f"{c}/{t}" for c in cfg["compressions"] for t in tasks) + " |",
-                  "|---|" + "---:|" * (len(cfg["compressions"]) * len(tasks))]
+        lines += [
+            "### x target alone by task type (greedy)",
+            "",
+            "| arm | " + " | ".join(f"{c}/{t}" for c in cfg["compressions"] for t in tasks) + " |",
+            "|---|" + "---:|" * (len(cfg["compressions"]) * len(tasks)),
+        ]
         for a in arms:
             cells = []
             for c in cfg["compressions"]:
@@ -218,11 +276,13 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["### Greedy outputs", ""]
     if result["mismatches"]:
         bad = unexplained(result["mismatches"])
-        lines.append(f"{len(result['mismatches'])} greedy run(s) differ from the target's own greedy output; "
-                     f"{len(bad)} of them unexplained, i.e. neither on a prompt where HF's own assisted arms "
-                     "(fixed-*, hf-*) differ too nor a near tie (the target's own logit gap there no larger than "
-                     "the change a multi-token pass makes to its logits): a target whose multi-token verification "
-                     "is not bit-identical to single steps, see docs/hf_hook.md:")
+        lines.append(
+            f"{len(result['mismatches'])} greedy run(s) differ from the target's own greedy output; "
+            f"{len(bad)} of them unexplained, i.e. neither on a prompt where HF's own assisted arms "
+            "(fixed-*, hf-*) differ too nor a near tie (the target's own logit gap there no larger than "
+            "the change a multi-token pass makes to its logits): a target whose multi-token verification "
+            "is not bit-identical to single steps, see docs/hf_hook.md:"
+        )
         lines += [f"- {m}" for m in result["mismatches"][:30]]
     else:
         lines.append("Every greedy run produced exactly the target's own greedy output.")
@@ -240,11 +300,16 @@ def goals(result: dict[str, Any]) -> list[str]:
             continue
         best = max(ours, key=lambda a: cell["arms"][a]["tokens_per_second"])
         v = cell["arms"][best]
-        for label, key, goal in (("best fixed gamma", "vs_best_fixed", 1.10), ("HF default", "vs_hf_default", 1.15),
-                                 ("target alone", "vs_target", 1.00)):
+        for label, key, goal in (
+            ("best fixed gamma", "vs_best_fixed", 1.10),
+            ("HF default", "vs_hf_default", 1.15),
+            ("target alone", "vs_target", 1.00),
+        ):
             if v.get(key) is not None:
-                out.append(f"{comp} greedy, best of ours ({best}) vs {label}: {v[key]:.2f}x (goal >= {goal:.2f}x) "
-                           + ("MET" if v[key] >= goal else "MISSED"))
+                out.append(
+                    f"{comp} greedy, best of ours ({best}) vs {label}: {v[key]:.2f}x (goal >= {goal:.2f}x) "
+                    + ("MET" if v[key] >= goal else "MISSED")
+                )
         for key, cell_t in s.items():
             c, d, t = key.split("/")
             if c == comp and d == "greedy" and t != "all":
@@ -252,12 +317,16 @@ def goals(result: dict[str, Any]) -> list[str]:
                 worst = min(ours, key=lambda a: cell_t["arms"].get(a, {}).get("vs_target") or 0)
                 goal = 1.15 if t == "code" else 1.00
                 if r is not None:
-                    out.append(f"{comp} greedy {t}: {best} vs target alone {r:.2f}x (goal >= {goal:.2f}x) "
-                               + ("MET" if r >= goal else "MISSED")
-                               + f"; slowest of ours here: {worst} {cell_t['arms'][worst]['vs_target']:.2f}x")
+                    out.append(
+                        f"{comp} greedy {t}: {best} vs target alone {r:.2f}x (goal >= {goal:.2f}x) "
+                        + ("MET" if r >= goal else "MISSED")
+                        + f"; slowest of ours here: {worst} {cell_t['arms'][worst]['vs_target']:.2f}x"
+                    )
         shares = [cell["arms"][a]["decision_share"] for a in ours]
-        out.append(f"{comp} greedy decision overhead: max {100 * max(shares):.2f}% of generation time (goal < 1%) "
-                   + ("MET" if max(shares) < 0.01 else "MISSED"))
+        out.append(
+            f"{comp} greedy decision overhead: max {100 * max(shares):.2f}% of generation time (goal < 1%) "
+            + ("MET" if max(shares) < 0.01 else "MISSED")
+        )
     return out
 
 
@@ -270,8 +339,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     comps = result["config"]["compressions"]
     decs = result["config"]["decodings"]
     arms = [a for a in result["arms"] if a != "target"]
-    fig, axes = plt.subplots(1, len(decs), figsize=(7 * len(decs), 0.3 * len(arms) * len(comps) / 2 + 2.5),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(decs), figsize=(7 * len(decs), 0.3 * len(arms) * len(comps) / 2 + 2.5), squeeze=False, sharey=True
+    )
     for ax, dec in zip(axes[0], decs):
         y = np.arange(len(arms))
         h = 0.8 / len(comps)
@@ -298,5 +368,3 @@ def write_section(doc: Path, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     atomic_write_text(doc, text)
-
-

@@ -20,8 +20,9 @@ def _policies(result: dict[str, Any]) -> list[str]:
     return list(result["gamma_histogram"])
 
 
-def markdown(result: dict[str, Any], *, title: str = "Offline evaluation", command: str | None = None,
-             log: str | None = None) -> str:
+def markdown(
+    result: dict[str, Any], *, title: str = "Offline evaluation", command: str | None = None, log: str | None = None
+) -> str:
     """Render an evaluation result as Markdown (overall table with CIs, then per group)."""
     unit = result["unit"]
     ov = result["groups"]["overall"]
@@ -50,8 +51,12 @@ def markdown(result: dict[str, Any], *, title: str = "Offline evaluation", comma
         a = ov["arms"][name]
         b = boot.get(name, {})
         ci = b.get("tokens_per_second_ci")
-        row = [f"**{name}**" if name in result["gamma_histogram"] else name, f"{a['tokens_per_step']:.3f}",
-               f"{a['tokens_per_second']:.2f}", f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else ""]
+        row = [
+            f"**{name}**" if name in result["gamma_histogram"] else name,
+            f"{a['tokens_per_step']:.3f}",
+            f"{a['tokens_per_second']:.2f}",
+            f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "",
+        ]
         row.append(f"{a['vs_oracle']:.3f}")
         for key in ("vs_target", "vs_best_fixed", "vs_fixed4"):
             row.append(f"{a[key]:.3f}")
@@ -64,33 +69,45 @@ def markdown(result: dict[str, Any], *, title: str = "Offline evaluation", comma
     lines.append("")
     groups = [g for g in result["groups"] if g != "overall"]
     simple = [g for g in groups if "/" not in g]
-    for heading, keys in (("By compression level and task type", simple),
-                          ("By compression level x task type", [g for g in groups if "/" in g])):
+    for heading, keys in (
+        ("By compression level and task type", simple),
+        ("By compression level x task type", [g for g in groups if "/" in g]),
+    ):
         if not keys:
             continue
-        lines += [f"## {heading}", "",
-                  "tokens/s, then x best fixed gamma (its value) / x fixed 4 / x oracle"
-                  + (" ; [95% CI of x best fixed]" if heading.startswith("By compression level and") else ""), "",
-                  "| group | rows | best fixed | " + " | ".join(_policies(result)) + " |",
-                  "|---|---:|---:|" + "---|" * len(_policies(result))]
+        lines += [
+            f"## {heading}",
+            "",
+            "tokens/s, then x best fixed gamma (its value) / x fixed 4 / x oracle"
+            + (" ; [95% CI of x best fixed]" if heading.startswith("By compression level and") else ""),
+            "",
+            "| group | rows | best fixed | " + " | ".join(_policies(result)) + " |",
+            "|---|---:|---:|" + "---|" * len(_policies(result)),
+        ]
         for g in keys:
             s = result["groups"][g]
             cells = []
             for name in _policies(result):
                 a = s["arms"][name]
-                cell = (f"{a['tokens_per_second']:.2f} ({a['vs_best_fixed']:.3f} / {a['vs_fixed4']:.3f} / "
-                        f"{a['vs_oracle']:.3f})")
+                cell = (
+                    f"{a['tokens_per_second']:.2f} ({a['vs_best_fixed']:.3f} / {a['vs_fixed4']:.3f} / "
+                    f"{a['vs_oracle']:.3f})"
+                )
                 b = result["bootstrap"].get(g, {}).get(name)
                 if b:
                     cell += f" [{b['vs_best_fixed']['ci'][0]:.3f}-{b['vs_best_fixed']['ci'][1]:.3f}]"
                 cells.append(cell)
             bf = s["arms"][s["best_fixed"]]["tokens_per_second"]
-            lines.append(f"| {g} | {s['rows']} | {bf:.2f} (gamma {s['best_fixed'].split('-')[1]}) | "
-                         + " | ".join(cells) + " |")
+            lines.append(
+                f"| {g} | {s['rows']} | {bf:.2f} (gamma {s['best_fixed'].split('-')[1]}) | " + " | ".join(cells) + " |"
+            )
         lines.append("")
-    lines += ["## Chosen gamma per compression level (held-out steps)", "",
-              "| policy | compression | " + " | ".join(f"g={g}" for g in range(result["max_gamma"] + 1)) + " |",
-              "|---|---|" + "---:|" * (result["max_gamma"] + 1)]
+    lines += [
+        "## Chosen gamma per compression level (held-out steps)",
+        "",
+        "| policy | compression | " + " | ".join(f"g={g}" for g in range(result["max_gamma"] + 1)) + " |",
+        "|---|---|" + "---:|" * (result["max_gamma"] + 1),
+    ]
     for name, per in result["gamma_histogram"].items():
         for comp, counts in per.items():
             lines.append(f"| {name} | {comp} | " + " | ".join(str(c) for c in counts[: result["max_gamma"] + 1]) + " |")
@@ -136,8 +153,7 @@ def plots(result: dict[str, Any], eval_set: EvalSet, out_dir: str | Path) -> lis
         ax[0].plot(mids, p1, marker="o", label=c)
         ax[1].plot(mids, mean_acc, marker="o", label=c)
     ax[0].set(xlabel="draft confidence of the first token", ylabel="P(first draft token accepted)", ylim=(0, 1))
-    ax[1].set(xlabel="draft confidence of the first token",
-              ylabel=f"mean accepted length (of {eval_set.max_gamma})")
+    ax[1].set(xlabel="draft confidence of the first token", ylabel=f"mean accepted length (of {eval_set.max_gamma})")
     for a in ax:
         a.grid(alpha=0.3)
         a.legend(title="target")

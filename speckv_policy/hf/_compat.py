@@ -44,8 +44,12 @@ __all__ = [
 #: The transformers versions the hook was tested on: ``(lowest, first excluded)``.
 TESTED_TRANSFORMERS = ("5.0", "6.0")
 _MODEL_HOOK = "_get_candidate_generator"
-_GENERATOR_METHODS = ("_calculate_new_tokens", "_update_past_and_masks", "_prepare_generation_args",
-                      "_generate_candidates")
+_GENERATOR_METHODS = (
+    "_calculate_new_tokens",
+    "_update_past_and_masks",
+    "_prepare_generation_args",
+    "_generate_candidates",
+)
 _MASK_HELPERS = ("_prepare_attention_mask", "_prepare_position_ids", "_prepare_token_type_ids")
 
 
@@ -73,16 +77,19 @@ def check_transformers_version(version: str | None = None) -> None:
         from transformers import GenerationMixin
 
         missing = [f"GenerationMixin.{_MODEL_HOOK}"] if not hasattr(GenerationMixin, _MODEL_HOOK) else []
-        missing += [f"AssistedCandidateGenerator.{m}" for m in _GENERATOR_METHODS
-                    if not hasattr(AssistedCandidateGenerator, m)]
+        missing += [
+            f"AssistedCandidateGenerator.{m}" for m in _GENERATOR_METHODS if not hasattr(AssistedCandidateGenerator, m)
+        ]
         missing += [f"candidate_generator.{f}" for f in _MASK_HELPERS if not hasattr(_cg, f)]
         if missing:
             problem = f"transformers {installed} lacks {', '.join(missing)}, which the hook uses"
     if problem is None:
         return
-    message = (f"speckv-policy's Hugging Face hook: {problem} (tested: transformers{tested}). "
-               f"Install a tested version: pip install 'transformers{tested}'; or set "
-               "SPECKV_ALLOW_UNTESTED_TRANSFORMERS=1 to try anyway.")
+    message = (
+        f"speckv-policy's Hugging Face hook: {problem} (tested: transformers{tested}). "
+        f"Install a tested version: pip install 'transformers{tested}'; or set "
+        "SPECKV_ALLOW_UNTESTED_TRANSFORMERS=1 to try anyway."
+    )
     if os.environ.get("SPECKV_ALLOW_UNTESTED_TRANSFORMERS") == "1":
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return
@@ -140,8 +147,9 @@ def sync_draft_inputs(generator: AssistedCandidateGenerator, input_ids: Any) -> 
     generator.assistant_kwargs = _cg._prepare_token_type_ids(kw, cur)
 
 
-def prepare_generation_args(generator: AssistedCandidateGenerator, input_ids: Any, min_new: int,
-                            max_new: int) -> dict[str, Any]:
+def prepare_generation_args(
+    generator: AssistedCandidateGenerator, input_ids: Any, min_new: int, max_new: int
+) -> dict[str, Any]:
     """The keyword arguments transformers passes to the draft's ``generate``."""
     return generator._prepare_generation_args(input_ids, min_new, max_new)
 

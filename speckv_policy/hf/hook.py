@@ -180,8 +180,15 @@ class _Decider:
 class _Controller:
     """Per-``attach`` decision logic and statistics, shared by every generate call."""
 
-    def __init__(self, decider: _Decider | None, mode: str, compression: str, gamma_fn: Callable[[int], int] | None,
-                 record_tokens: bool, sync_cuda: bool) -> None:
+    def __init__(
+        self,
+        decider: _Decider | None,
+        mode: str,
+        compression: str,
+        gamma_fn: Callable[[int], int] | None,
+        record_tokens: bool,
+        sync_cuda: bool,
+    ) -> None:
         self.decider = decider
         self.mode = mode
         self.compression = compression
@@ -279,7 +286,7 @@ class _Controller:
         lg = logits[0].float()
         conf, ent = draft_token_stats_from_logits(lg)
         probs = lg.softmax(-1)
-        tok = ids[0, start:start + lg.shape[0]]
+        tok = ids[0, start : start + lg.shape[0]]
         self.current.draft_confidence = conf.tolist()
         self.current.draft_entropy = ent.tolist()
         self.current.draft_token_prob = probs[torch.arange(lg.shape[0], device=probs.device), tok].tolist()
@@ -327,7 +334,9 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         self.num_assistant_tokens = controller.max_gamma
         controller.begin(self.generation_config, self.assistant_model.device)
 
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    def get_candidates(
+        self, input_ids: torch.LongTensor, **kwargs: Any
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         c = self.controller
         input_ids = input_ids.to(self.assistant_model.device)
         cur = input_ids.shape[-1]
@@ -524,9 +533,16 @@ def attach(
     controller.probe_backoff = int(probe_backoff)
     original = _compat.default_candidate_generator(target)
 
-    def _get_candidate_generator(generation_config: Any, input_ids: torch.LongTensor, inputs_tensor: Any,
-                                 logits_processor: Any, model_kwargs: dict, assistant_model: Any = None,
-                                 target_tokenizer: Any = None, assistant_tokenizer: Any = None) -> Any:
+    def _get_candidate_generator(
+        generation_config: Any,
+        input_ids: torch.LongTensor,
+        inputs_tensor: Any,
+        logits_processor: Any,
+        model_kwargs: dict,
+        assistant_model: Any = None,
+        target_tokenizer: Any = None,
+        assistant_tokenizer: Any = None,
+    ) -> Any:
         plain_assisted = (
             assistant_model is not None
             and target_tokenizer is None
@@ -534,8 +550,16 @@ def attach(
             and getattr(generation_config, "assistant_early_exit", None) is None
         )
         if not plain_assisted:
-            return original(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                            assistant_model, target_tokenizer, assistant_tokenizer)
+            return original(
+                generation_config,
+                input_ids,
+                inputs_tensor,
+                logits_processor,
+                model_kwargs,
+                assistant_model,
+                target_tokenizer,
+                assistant_tokenizer,
+            )
         if input_ids.shape[0] != 1:
             raise ValueError(
                 f"speckv-policy: Hugging Face assisted decoding runs one sequence at a time; got batch size "

@@ -56,8 +56,13 @@ def load_tokenizer(path: str | os.PathLike[str], **from_pretrained: Any) -> Any:
         return None
 
 
-def load_model(path: str | os.PathLike[str], compression: str = "fp32", device: str = "cpu",
-               llm_int8_threshold: float | None = None, **from_pretrained: Any) -> Any:
+def load_model(
+    path: str | os.PathLike[str],
+    compression: str = "fp32",
+    device: str = "cpu",
+    llm_int8_threshold: float | None = None,
+    **from_pretrained: Any,
+) -> Any:
     """Load a causal LM from a local folder at ``compression`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``nf4``).
 
     INT8 and NF4 go through bitsandbytes (CPU or CUDA); full precision casts
@@ -83,8 +88,11 @@ def load_model(path: str | os.PathLike[str], compression: str = "fp32", device: 
     elif compression in ("int8", "nf4"):
         compute = torch.float16 if device.startswith("cuda") else torch.float32
         int8_kw = {} if llm_int8_threshold is None else {"llm_int8_threshold": llm_int8_threshold}
-        q = (BitsAndBytesConfig(load_in_8bit=True, **int8_kw) if compression == "int8" else
-             BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute))
+        q = (
+            BitsAndBytesConfig(load_in_8bit=True, **int8_kw)
+            if compression == "int8"
+            else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(

@@ -59,25 +59,51 @@ def _units(cfg: ProfileConfig, prompts: list[Prompt]) -> Iterator[tuple[str, str
                     yield run, comp, dec, fixed, p
 
 
-def stats_to_rows(stats: list[Any], *, run_id: str, prompt: Prompt, compression: str, decoding: str,
-                  temperature: float, device: str, draft_id: str, target_id: str) -> list[dict[str, Any]]:
+def stats_to_rows(
+    stats: list[Any],
+    *,
+    run_id: str,
+    prompt: Prompt,
+    compression: str,
+    decoding: str,
+    temperature: float,
+    device: str,
+    draft_id: str,
+    target_id: str,
+) -> list[dict[str, Any]]:
     """Turn :class:`speckv_policy.hf.hook.StepStats` of one generation into log rows (last step dropped)."""
     rows = []
     for s in stats[:-1]:
-        rows.append({
-            "run_id": run_id, "prompt_id": prompt.id, "split": prompt.split, "task_type": prompt.task_type,
-            "compression": compression, "decoding": decoding,
-            "temperature": temperature if decoding == "sampling" else 0.0, "top_p": 1.0,
-            "step": s.step, "context_len": s.context_len, "gamma": s.gamma, "accepted": s.accepted,
-            "draft_confidence": s.draft_confidence, "draft_entropy": s.draft_entropy,
-            "draft_token_prob": s.draft_token_prob, "draft_ms": s.draft_ms, "verify_ms": s.verify_ms,
-            "device": device, "draft_model": draft_id, "target_model": target_id,
-        })
+        rows.append(
+            {
+                "run_id": run_id,
+                "prompt_id": prompt.id,
+                "split": prompt.split,
+                "task_type": prompt.task_type,
+                "compression": compression,
+                "decoding": decoding,
+                "temperature": temperature if decoding == "sampling" else 0.0,
+                "top_p": 1.0,
+                "step": s.step,
+                "context_len": s.context_len,
+                "gamma": s.gamma,
+                "accepted": s.accepted,
+                "draft_confidence": s.draft_confidence,
+                "draft_entropy": s.draft_entropy,
+                "draft_token_prob": s.draft_token_prob,
+                "draft_ms": s.draft_ms,
+                "verify_ms": s.verify_ms,
+                "device": device,
+                "draft_model": draft_id,
+                "target_model": target_id,
+            }
+        )
     return rows
 
 
-def profile(cfg: ProfileConfig, prompts: list[Prompt], *, progress: bool = True,
-            models: ModelSource = LOCAL_MODELS) -> dict[str, int]:
+def profile(
+    cfg: ProfileConfig, prompts: list[Prompt], *, progress: bool = True, models: ModelSource = LOCAL_MODELS
+) -> dict[str, int]:
     """Run (or resume) a profile; returns counts of units done, skipped and rows written.
 
     ``models`` resolves ``cfg.target`` and ``cfg.draft`` to loaded models: local
@@ -123,11 +149,27 @@ def profile(cfg: ProfileConfig, prompts: list[Prompt], *, progress: bool = True,
         torch.manual_seed(unit_seed)
         sampling = dec == "sampling"
         with attach(target, None, compression=comp, mode="fixed", gamma_fn=gamma_fn, record_tokens=True) as h:
-            target.generate(ids, assistant_model=draft, max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
-                            temperature=cfg.temperature if sampling else None, top_p=1.0 if sampling else None,
-                            top_k=0 if sampling else None, pad_token_id=getattr(tokenizer, "eos_token_id", None))
-        rows = stats_to_rows(h.stats, run_id=run, prompt=p, compression=comp, decoding=dec,
-                             temperature=cfg.temperature, device=cfg.device, draft_id=ids_d, target_id=ids_t)
+            target.generate(
+                ids,
+                assistant_model=draft,
+                max_new_tokens=cfg.max_new_tokens,
+                do_sample=sampling,
+                temperature=cfg.temperature if sampling else None,
+                top_p=1.0 if sampling else None,
+                top_k=0 if sampling else None,
+                pad_token_id=getattr(tokenizer, "eos_token_id", None),
+            )
+        rows = stats_to_rows(
+            h.stats,
+            run_id=run,
+            prompt=p,
+            compression=comp,
+            decoding=dec,
+            temperature=cfg.temperature,
+            device=cfg.device,
+            draft_id=ids_d,
+            target_id=ids_t,
+        )
         if rows:
             append_log(out, rows)
         counts["done"] += 1

@@ -40,9 +40,21 @@ class RaceConfig:
     seed: int = 0
 
 
-def run_once(arm: ArmSpec, state: dict[str, Any], target: Any, draft: Any, ids: Any, *, compression: str,
-             sampling: bool, temperature: float, max_new_tokens: int, seed: int, pad: int | None,
-             stopwatch: Callable[[], float]) -> dict[str, Any]:
+def run_once(
+    arm: ArmSpec,
+    state: dict[str, Any],
+    target: Any,
+    draft: Any,
+    ids: Any,
+    *,
+    compression: str,
+    sampling: bool,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    pad: int | None,
+    stopwatch: Callable[[], float],
+) -> dict[str, Any]:
     """One timed generate call; returns tokens, seconds, output ids and the hook's decision time."""
     kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=sampling, pad_token_id=pad)
     if sampling:
@@ -54,8 +66,15 @@ def run_once(arm: ArmSpec, state: dict[str, Any], target: Any, draft: Any, ids: 
     torch.manual_seed(seed)
     handle = None
     if arm.policy is not None:
-        handle = attach(target, arm.policy, compression=compression, mode=arm.mode, max_gamma=8,
-                        feature_set="online" if callable(arm.policy) else None, probe_backoff=arm.backoff)
+        handle = attach(
+            target,
+            arm.policy,
+            compression=compression,
+            mode=arm.mode,
+            max_gamma=8,
+            feature_set="online" if callable(arm.policy) else None,
+            probe_backoff=arm.backoff,
+        )
     try:
         t0 = stopwatch()
         with torch.no_grad():
@@ -68,10 +87,15 @@ def run_once(arm: ArmSpec, state: dict[str, Any], target: Any, draft: Any, ids: 
     if arm.assistant:
         for k in HF_FIELDS:
             state[k] = getattr(draft.generation_config, k)
-    new = out[0, ids.shape[1]:].tolist()
-    return {"tokens": len(new), "seconds": seconds, "output": new,
-            "steps": summary.get("steps"), "decision_s": summary.get("decision_us_mean", 0.0) * summary.get("steps", 0) / 1e6,
-            "fallbacks": summary.get("fallbacks", 0)}
+    new = out[0, ids.shape[1] :].tolist()
+    return {
+        "tokens": len(new),
+        "seconds": seconds,
+        "output": new,
+        "steps": summary.get("steps"),
+        "decision_s": summary.get("decision_us_mean", 0.0) * summary.get("steps", 0) / 1e6,
+        "fallbacks": summary.get("fallbacks", 0),
+    }
 
 
 def chunking_noise(target: Any, context: Any, ref_token: int, other_token: int) -> tuple[float, float]:
@@ -95,6 +119,7 @@ def chunking_noise(target: Any, context: Any, ref_token: int, other_token: int) 
         pass instead (a verification's shape). ``gap <= noise`` means the target's own choice there is
         decided by rounding, which a lossless speculative decoder cannot be expected to reproduce.
     """
+
     def last_logits(k: int) -> Any:
         cache = DynamicCache(config=target.config)
         with torch.no_grad():
@@ -102,13 +127,18 @@ def chunking_noise(target: Any, context: Any, ref_token: int, other_token: int) 
             return target(context[:, -k:], cache=cache, use_cache=True).logits[0, -1].float()
 
     single = last_logits(1)
-    noise = max((float((last_logits(k) - single).abs().max()) for k in (2, 4, 8) if k < context.shape[1]),
-                default=0.0)
+    noise = max((float((last_logits(k) - single).abs().max()) for k in (2, 4, 8) if k < context.shape[1]), default=0.0)
     return float(single[ref_token] - single[other_token]), noise
 
 
-def run_race(cfg: RaceConfig, arms: Sequence[ArmSpec], prompts: Sequence[Prompt], *,
-             models: ModelSource = LOCAL_MODELS, progress: bool = True) -> dict[str, Any]:
+def run_race(
+    cfg: RaceConfig,
+    arms: Sequence[ArmSpec],
+    prompts: Sequence[Prompt],
+    *,
+    models: ModelSource = LOCAL_MODELS,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Time every arm on every prompt, interleaved, and check greedy outputs.
 
     For each compression level and decoding, every arm runs once untimed
@@ -158,8 +188,14 @@ def run_race(cfg: RaceConfig, arms: Sequence[ArmSpec], prompts: Sequence[Prompt]
         for dec in cfg.decodings:
             sampling = dec == "sampling"
             states: dict[str, dict[str, Any]] = {a.name: {} for a in arms}
-            common = dict(compression=comp, sampling=sampling, temperature=cfg.temperature,
-                          max_new_tokens=cfg.max_new_tokens, pad=pad, stopwatch=stopwatch)
+            common = dict(
+                compression=comp,
+                sampling=sampling,
+                temperature=cfg.temperature,
+                max_new_tokens=cfg.max_new_tokens,
+                pad=pad,
+                stopwatch=stopwatch,
+            )
             warm = encode(prompts[0])
             for a in arms:  # warm-up (untimed): first-call costs, HF's adaptive state gets a first update
                 run_once(a, states[a.name], target, draft, warm, seed=cfg.seed, **common)
@@ -167,12 +203,18 @@ def run_race(cfg: RaceConfig, arms: Sequence[ArmSpec], prompts: Sequence[Prompt]
                 for i, p in enumerate(prompts):
                     ids = encode(p)
                     seed = zlib.crc32(f"{cfg.seed}/{p.id}/{rep}".encode()) % (2**31)
-                    order = arms[i % len(arms):] + arms[: i % len(arms)]
+                    order = arms[i % len(arms) :] + arms[: i % len(arms)]
                     block = []
                     for a in order:
                         r = run_once(a, states[a.name], target, draft, ids, seed=seed, **common)
-                        r.update(arm=a.name, prompt_id=p.id, task_type=p.task_type, compression=comp,
-                                 decoding=dec, repeat=rep)
+                        r.update(
+                            arm=a.name,
+                            prompt_id=p.id,
+                            task_type=p.task_type,
+                            compression=comp,
+                            decoding=dec,
+                            repeat=rep,
+                        )
                         block.append(r)
                         bar.update(1)
                     runs += block
@@ -183,11 +225,17 @@ def run_race(cfg: RaceConfig, arms: Sequence[ArmSpec], prompts: Sequence[Prompt]
     arm_names = [a.name for a in arms]
     result: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPU threads, "
-                   f"torch {torch.__version__}, device {cfg.device}".replace("  ", " "),
-        "config": {"target": models.model_id(cfg.target), "draft": models.model_id(cfg.draft),
-                   "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
-                   "compressions": list(cfg.compressions), "decodings": list(cfg.decodings),
-                   "temperature": cfg.temperature},
+        f"torch {torch.__version__}, device {cfg.device}".replace("  ", " "),
+        "config": {
+            "target": models.model_id(cfg.target),
+            "draft": models.model_id(cfg.draft),
+            "prompts": len(prompts),
+            "max_new_tokens": cfg.max_new_tokens,
+            "repeats": cfg.repeats,
+            "compressions": list(cfg.compressions),
+            "decodings": list(cfg.decodings),
+            "temperature": cfg.temperature,
+        },
         "arms": arm_names,
         "minutes": (time.time() - t_start) / 60,
         "summary": summarize_runs(runs, arm_names),

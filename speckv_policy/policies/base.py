@@ -45,9 +45,7 @@ def check_candidates(candidates: Sequence[int]) -> np.ndarray:
         or c.max() > MAX_CANDIDATE_GAMMA
         or len(np.unique(c)) != c.size
     ):
-        raise ValueError(
-            f"candidates must be distinct ints in 0..{MAX_CANDIDATE_GAMMA}, got {candidates!r}"
-        )
+        raise ValueError(f"candidates must be distinct ints in 0..{MAX_CANDIDATE_GAMMA}, got {candidates!r}")
     return np.sort(c).astype(np.int64)
 
 
@@ -143,8 +141,7 @@ class GammaPolicy:
         X = validate_data(self, X, reset=reset, dtype=np.float64, ensure_all_finite=True)
         if fs is not None and X.shape[1] != fs.n_features:
             raise ValueError(
-                f"X has {X.shape[1]} features but feature set {fs.name!r} has "
-                f"{fs.n_features}: {', '.join(fs.names)}"
+                f"X has {X.shape[1]} features but feature set {fs.name!r} has {fs.n_features}: {', '.join(fs.names)}"
             )
         # decisions are made on float32 inputs (what the ONNX export sees)
         return X.astype(np.float32).astype(np.float64)
@@ -159,8 +156,7 @@ class GammaPolicy:
     def _split_targets(y: Any, n_rows: int, max_gamma: int) -> tuple[np.ndarray, np.ndarray]:
         if y is None:
             raise ValueError(
-                "a gamma policy requires y to be passed, but the target y is None "
-                "(y holds accepted prefix lengths)"
+                "a gamma policy requires y to be passed, but the target y is None (y holds accepted prefix lengths)"
             )
         y = np.asarray(y)
         if y.dtype.kind not in "iuf":
@@ -317,9 +313,7 @@ def objective_scorer(
     return scorer
 
 
-def training_data(
-    log: Any, feature_set: str = "online", split: str | None = "train"
-) -> tuple[Any, np.ndarray]:
+def training_data(log: Any, feature_set: str = "online", split: str | None = "train") -> tuple[Any, np.ndarray]:
     """Features and ``(accepted, gamma_drafted)`` targets from a step log.
 
     Parameters

@@ -145,16 +145,15 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
                 rows.append(np.hstack([X[m], np.full((int(m.sum()), 1), float(g))]))
                 rates.append(np.minimum(accepted[m], g) / g)
         if not rows:
-            raise ValueError(
-                f"no logged step drafted at least {int(cands.min())} tokens: nothing to train the rate on"
-            )
+            raise ValueError(f"no logged step drafted at least {int(cands.min())} tokens: nothing to train the rate on")
         Xe, ye = np.vstack(rows), np.concatenate(rates)
         import warnings
 
         from sklearn.exceptions import ConvergenceWarning
 
-        reg = MLPRegressor(hidden_layer_sizes=(16,), activation="relu", max_iter=self.max_iter,
-                           random_state=self.random_state)
+        reg = MLPRegressor(
+            hidden_layer_sizes=(16,), activation="relu", max_iter=self.max_iter, random_state=self.random_state
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             reg.fit(Xe, ye)
@@ -209,7 +208,8 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
         policy.feature_set_ = policy.feature_set
         policy.n_features_in_ = n_in - 1
         policy.feature_names_ = (
-            get_feature_set(policy.feature_set).names if policy.feature_set is not None
+            get_feature_set(policy.feature_set).names
+            if policy.feature_set is not None
             else tuple(f"x{i}" for i in range(n_in - 1))
         )
         policy.training_fingerprint_ = "npz:" + os.path.basename(str(path))

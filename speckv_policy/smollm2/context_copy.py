@@ -69,8 +69,9 @@ def longest_suffix_match(history: np.ndarray, max_match: int = DEFAULT_MAX_MATCH
     return int(history[end + 1]), best
 
 
-def copy_candidates(ids: np.ndarray, first: int, count: int,
-                    max_match: int = DEFAULT_MAX_MATCH) -> tuple[np.ndarray, np.ndarray]:
+def copy_candidates(
+    ids: np.ndarray, first: int, count: int, max_match: int = DEFAULT_MAX_MATCH
+) -> tuple[np.ndarray, np.ndarray]:
     """Copy candidate and match length for positions ``first .. first + count - 1`` of ``ids``.
 
     Position ``t`` predicts token ``t + 1`` from ``ids[: t + 1]``.
@@ -89,8 +90,14 @@ def gate_probability(log_conf: torch.Tensor, length: torch.Tensor, a: torch.Tens
     return torch.where(length > 0, g, torch.zeros_like(g))
 
 
-def mix_log_probs(logits: torch.Tensor, cand: torch.Tensor, length: torch.Tensor, a: torch.Tensor,
-                  b: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def mix_log_probs(
+    logits: torch.Tensor,
+    cand: torch.Tensor,
+    length: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    inplace: bool = False,
+) -> torch.Tensor:
     """``log q'`` from the draft's logits ``[..., V]`` (float32; overwritten when ``inplace``).
 
     ``cand`` and ``length`` hold the copy candidate and match length per position ``[...]``.
@@ -106,8 +113,15 @@ def mix_log_probs(logits: torch.Tensor, cand: torch.Tensor, length: torch.Tensor
     return out
 
 
-def copy_argmax(head_logits: torch.Tensor, head_ids: torch.Tensor, slots: torch.Tensor, cand: torch.Tensor,
-                length: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def copy_argmax(
+    head_logits: torch.Tensor,
+    head_ids: torch.Tensor,
+    slots: torch.Tensor,
+    cand: torch.Tensor,
+    length: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
     """The argmax of :func:`mix_log_probs` without building full-vocabulary logits.
 
     Parameters
@@ -132,8 +146,9 @@ def copy_argmax(head_logits: torch.Tensor, head_ids: torch.Tensor, slots: torch.
     top = log_q.max(-1).values
     g = gate_probability(top, length, a, b)
     slot = slots[cand.clamp_min(0)]
-    q_cand = torch.where((cand >= 0) & (slot >= 0), log_q.gather(1, slot.clamp_min(0)[:, None]).squeeze(1).exp(),
-                         torch.zeros_like(top))
+    q_cand = torch.where(
+        (cand >= 0) & (slot >= 0), log_q.gather(1, slot.clamp_min(0)[:, None]).squeeze(1).exp(), torch.zeros_like(top)
+    )
     take = (length > 0) & (cand >= 0) & (g + (1 - g) * q_cand >= (1 - g) * top.exp())
     return torch.where(take, cand, head_ids[log_q.argmax(-1)])
 
@@ -162,8 +177,11 @@ class ContextCopyDraft(LlamaForCausalLM):
         """The gate as stored in ``draft.json`` (None when unset)."""
         if getattr(self, "copy_a", None) is None:
             return None
-        return {"max_match": self.copy_max_match, "a": [round(float(x), 5) for x in self.copy_a],
-                "b": [round(float(x), 5) for x in self.copy_b]}
+        return {
+            "max_match": self.copy_max_match,
+            "a": [round(float(x), 5) for x in self.copy_a],
+            "b": [round(float(x), 5) for x in self.copy_b],
+        }
 
     def _remember(self, input_ids: torch.Tensor, past: int) -> np.ndarray:
         ids = input_ids.detach().cpu().numpy()
@@ -172,15 +190,23 @@ class ContextCopyDraft(LlamaForCausalLM):
         if hist.shape[0] != rows or past == 0:
             hist = np.zeros((rows, max(end, 64)), dtype=np.int64)
         elif hist.shape[1] < end:
-            hist = np.concatenate([hist, np.zeros((rows, max(end, 2 * hist.shape[1]) - hist.shape[1]),
-                                                  dtype=np.int64)], axis=1)
+            hist = np.concatenate(
+                [hist, np.zeros((rows, max(end, 2 * hist.shape[1]) - hist.shape[1]), dtype=np.int64)], axis=1
+            )
         hist[:, past:end] = ids
         self._history = hist
         return hist[:, :end]
 
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: Any = None, use_cache: bool | None = None,
-                logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> Any:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Any = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> Any:
         """LlamaForCausalLM's forward, with the kept positions' logits replaced by ``log q'``.
 
         ``logits_to_keep`` is named so that ``generate`` asks for the last position only.
@@ -188,8 +214,15 @@ class ContextCopyDraft(LlamaForCausalLM):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         past = cache.get_seq_length() if cache is not None else 0
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        out = super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
         if getattr(self, "copy_a", None) is None or input_ids is None:
             return out
         hist = self._remember(input_ids, past)
@@ -201,15 +234,27 @@ class ContextCopyDraft(LlamaForCausalLM):
             cand[row], length[row] = copy_candidates(hist[row], first, kept, self.copy_max_match)
         logits = out.logits.float()
         dev = logits.device
-        mixed = mix_log_probs(logits, torch.from_numpy(cand).to(dev), torch.from_numpy(length).to(dev),
-                              self.copy_a.to(dev), self.copy_b.to(dev), inplace=True)
+        mixed = mix_log_probs(
+            logits,
+            torch.from_numpy(cand).to(dev),
+            torch.from_numpy(length).to(dev),
+            self.copy_a.to(dev),
+            self.copy_b.to(dev),
+            inplace=True,
+        )
         out.logits = mixed.to(out.logits.dtype)
         return out
 
 
-def fit_copy_gate(log_q_teacher: torch.Tensor, teacher_p: torch.Tensor, teacher_is_cand: torch.Tensor,
-                  log_conf: torch.Tensor, length: torch.Tensor, max_match: int = DEFAULT_MAX_MATCH,
-                  steps: int = 300) -> tuple[list[float], list[float]]:
+def fit_copy_gate(
+    log_q_teacher: torch.Tensor,
+    teacher_p: torch.Tensor,
+    teacher_is_cand: torch.Tensor,
+    log_conf: torch.Tensor,
+    length: torch.Tensor,
+    max_match: int = DEFAULT_MAX_MATCH,
+    steps: int = 300,
+) -> tuple[list[float], list[float]]:
     """Fit the gate by the teacher's cross-entropy under the mixture.
 
     Parameters
@@ -243,8 +288,9 @@ def fit_copy_gate(log_q_teacher: torch.Tensor, teacher_p: torch.Tensor, teacher_
     opt = torch.optim.Adam([a, b], lr=0.05)
     for _ in range(steps):
         g = gate_probability(conf, m, a, b).unsqueeze(-1)
-        mixed = torch.logaddexp(lq + torch.log1p(-g.clamp_max(1 - 1e-6)),
-                                torch.where(hit, torch.log(g.clamp_min(1e-30)), floor))
+        mixed = torch.logaddexp(
+            lq + torch.log1p(-g.clamp_max(1 - 1e-6)), torch.where(hit, torch.log(g.clamp_min(1e-30)), floor)
+        )
         loss = -(p * mixed).sum(-1).mean()
         opt.zero_grad()
         loss.backward()

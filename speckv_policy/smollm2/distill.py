@@ -22,7 +22,6 @@ Commands (see ``docs/draft.md``)::
     speckv-distill cost    --draft datasets/smollm2/draft
 """
 
-
 from __future__ import annotations
 
 import math
@@ -40,9 +39,18 @@ TOPK = 32
 
 
 # ----------------------------------------------------------------------------- corpus
-def generate_corpus(prompts: list[Any], *, samples: int = 4, max_new_tokens: int = 160, batch_size: int = 16,
-                    temperature: float = 0.8, seed: int = 0, dtype: str = "bf16", greedy_answers: bool = True,
-                    progress: bool = True) -> dict:
+def generate_corpus(
+    prompts: list[Any],
+    *,
+    samples: int = 4,
+    max_new_tokens: int = 160,
+    batch_size: int = 16,
+    temperature: float = 0.8,
+    seed: int = 0,
+    dtype: str = "bf16",
+    greedy_answers: bool = True,
+    progress: bool = True,
+) -> dict:
     """Let the target answer every prompt; keep tokens and its top-k distribution.
 
     Each prompt gets one greedy answer and ``samples - 1`` sampled ones. Returns
@@ -62,25 +70,35 @@ def generate_corpus(prompts: list[Any], *, samples: int = 4, max_new_tokens: int
     jobs = [(p, s) for p in prompts for s in range(samples if p.split == "train" else 1)]
     if not greedy_answers:  # sampled answers only (a second corpus for more varied data)
         jobs = [(p, s + 1) for p in prompts if p.split == "train" for s in range(samples)]
-    out: dict[str, list] = {k: [] for k in ("ids", "start", "topk_ids", "topk_logp", "prompt_id", "task_type",
-                                            "split", "greedy")}
+    out: dict[str, list] = {
+        k: [] for k in ("ids", "start", "topk_ids", "topk_logp", "prompt_id", "task_type", "split", "greedy")
+    }
     torch.manual_seed(seed)
     bar = tqdm(total=len(jobs), desc="corpus", disable=not progress, file=sys.stderr)
     for greedy in (True, False):
         todo = [(p, s) for p, s in jobs if (s == 0) == greedy]
         for i in range(0, len(todo), batch_size):
-            chunk = todo[i:i + batch_size]
+            chunk = todo[i : i + batch_size]
             enc = [torch.tensor(encode_prompt(p, tok)) for p, _ in chunk]
             width = max(len(e) for e in enc)
             ids = torch.full((len(enc), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for j, e in enumerate(enc):
-                ids[j, width - len(e):] = e
-                mask[j, width - len(e):] = 1
+                ids[j, width - len(e) :] = e
+                mask[j, width - len(e) :] = 1
             with torch.no_grad():
-                gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=not greedy,
-                                     temperature=temperature if not greedy else None, top_p=None, top_k=None,
-                                     output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+                gen = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=not greedy,
+                    temperature=temperature if not greedy else None,
+                    top_p=None,
+                    top_k=None,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=pad,
+                )
             logits = torch.stack(gen.logits, dim=1).float()  # [B, T, V] raw target logits
             logp = torch.log_softmax(logits, -1)
             top = logp.topk(TOPK, dim=-1)
@@ -102,7 +120,6 @@ def generate_corpus(prompts: list[Any], *, samples: int = 4, max_new_tokens: int
             bar.update(len(chunk))
     bar.close()
     return out
-
 
 
 # ----------------------------------------------------------------------------- training
@@ -165,8 +182,9 @@ def _copy_inputs(corpus: dict, batch: list[int], max_match: int) -> tuple[torch.
 
     cands, lengths = [], []
     for i in batch:
-        c, m = copy_candidates(corpus["ids"][i].numpy().astype(np.int64), corpus["start"][i] - 1,
-                               len(corpus["topk_ids"][i]), max_match)
+        c, m = copy_candidates(
+            corpus["ids"][i].numpy().astype(np.int64), corpus["start"][i] - 1, len(corpus["topk_ids"][i]), max_match
+        )
         cands.append(torch.from_numpy(c))
         lengths.append(torch.from_numpy(m))
     return torch.cat(cands), torch.cat(lengths)
@@ -201,7 +219,7 @@ def agreement(model: Any, corpus: dict, idx: list[int], pos_of: torch.Tensor) ->
             start = 0
             for i in batch:
                 n = len(corpus["topk_ids"][i])
-                hits.setdefault(corpus["task_type"][i], []).extend(ok[start:start + n].tolist())
+                hits.setdefault(corpus["task_type"][i], []).extend(ok[start : start + n].tolist())
                 start += n
     out = {t: float(np.mean(v)) for t, v in sorted(hits.items())}
     out["overall"] = float(np.mean([x for v in hits.values() for x in v]))
@@ -238,10 +256,22 @@ def fit_copy(model: Any, corpus: dict, idx: list[int], max_match: int = 8) -> di
     return model.copy_gate()
 
 
-def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: int = 8192, minutes: float = 28.0,
-                lr: float = 1e-3, warmup: int = 50, tokens_per_batch: int = 2048, ce_weight: float = 0.5,
-                val_fraction: float = 0.1, eval_every: int = 100, seed: int = 0, fit_prefix: str | None = None,
-                progress: bool = True) -> tuple[Any, dict[str, Any]]:
+def train_draft(
+    corpus: dict,
+    *,
+    layers: tuple[int, ...] = (0, 1),
+    head_size: int = 8192,
+    minutes: float = 28.0,
+    lr: float = 1e-3,
+    warmup: int = 50,
+    tokens_per_batch: int = 2048,
+    ce_weight: float = 0.5,
+    val_fraction: float = 0.1,
+    eval_every: int = 100,
+    seed: int = 0,
+    fit_prefix: str | None = None,
+    progress: bool = True,
+) -> tuple[Any, dict[str, Any]]:
     """Distil a draft within a wall-clock budget (cosine schedule over the estimated steps).
 
     A ``val_fraction`` of the *training* prompts is set aside; every ``eval_every`` steps the
@@ -264,14 +294,16 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
         if len(val_prompts) == len(train_prompts):
             raise ValueError(f"no training prompt id starts with {fit_prefix!r}")
     else:
-        val_prompts = set(np.random.default_rng(seed).permutation(train_prompts)[: int(val_fraction * len(train_prompts))])
+        val_prompts = set(
+            np.random.default_rng(seed).permutation(train_prompts)[: int(val_fraction * len(train_prompts))]
+        )
     val_idx = [i for i in all_train if corpus["prompt_id"][i] in val_prompts and corpus["greedy"][i]]
     train_idx = [i for i in all_train if corpus["prompt_id"][i] not in val_prompts]
     held_idx = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
     counts = torch.zeros(max(int(t.max()) for t in corpus["ids"]) + 1, dtype=torch.long)
     for i in train_idx:
         counts += torch.bincount(corpus["topk_ids"][i][:, 0].long(), minlength=len(counts))[: len(counts)]
-        s = corpus["ids"][i][corpus["start"][i]:].long()
+        s = corpus["ids"][i][corpus["start"][i] :].long()
         counts += torch.bincount(s, minlength=len(counts))[: len(counts)]
     head_ids = counts.argsort(descending=True)[:head_size].sort().values
     config, state = target_state()
@@ -304,7 +336,9 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
             opt.step()
             step += 1
             if step % 50 == 0:
-                history.append({"step": step, "minutes": round(elapsed / 60, 2), "kl": round(kl, 4), "ce": round(ce, 4)})
+                history.append(
+                    {"step": step, "minutes": round(elapsed / 60, 2), "kl": round(kl, 4), "ce": round(ce, 4)}
+                )
                 if progress:
                     print(f"step {step} {elapsed / 60:.1f} min kl {kl:.3f} ce {ce:.3f}", file=sys.stderr, flush=True)
             if val_idx and step % eval_every == 0:
@@ -336,8 +370,9 @@ def train_draft(corpus: dict, *, layers: tuple[int, ...] = (0, 1), head_size: in
         "train_tokens": n_train_tokens,
         "train_sequences": len(train_idx),
         "heldout_agreement": agreement(model, corpus, held_idx, pos_of) if held_idx else {},
-        "train_agreement": agreement(model, corpus, _spread([i for i in train_idx if corpus["greedy"][i]], 200),
-                                     pos_of),
+        "train_agreement": agreement(
+            model, corpus, _spread([i for i in train_idx if corpus["greedy"][i]], 200), pos_of
+        ),
         "history": history,
     }
     return model, meta

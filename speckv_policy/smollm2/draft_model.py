@@ -42,8 +42,13 @@ class PrunedHead(nn.Module):
         return out.index_copy_(-1, self.token_ids, small)
 
 
-def build_draft(layers: tuple[int, ...], head_ids: torch.Tensor, config: Any = None,
-                state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32) -> Any:
+def build_draft(
+    layers: tuple[int, ...],
+    head_ids: torch.Tensor,
+    config: Any = None,
+    state: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
     """A draft initialised from the target: chosen layers copied, head from embedding rows."""
     import copy
 
@@ -57,12 +62,15 @@ def build_draft(layers: tuple[int, ...], head_ids: torch.Tensor, config: Any = N
     if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
         cfg.layer_types = [cfg.layer_types[i] for i in layers]
     model = ContextCopyDraft(cfg)
-    sd = {"model.embed_tokens.weight": state["model.embed_tokens.weight"], "model.norm.weight": state["model.norm.weight"]}
+    sd = {
+        "model.embed_tokens.weight": state["model.embed_tokens.weight"],
+        "model.norm.weight": state["model.norm.weight"],
+    }
     for new, old in enumerate(layers):
         for k, v in state.items():
             pre = f"model.layers.{old}."
             if k.startswith(pre):
-                sd[f"model.layers.{new}." + k[len(pre):]] = v
+                sd[f"model.layers.{new}." + k[len(pre) :]] = v
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     emb = state["model.embed_tokens.weight"]
@@ -76,8 +84,11 @@ def save_draft(model: Any, folder: str | Path, meta: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
     def write(tmp: Path) -> None:
-        sd = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
-              if not k.startswith("model.embed_tokens") and k != "lm_head.token_ids"}
+        sd = {
+            k: v.detach().to(torch.float16).contiguous()
+            for k, v in model.state_dict().items()
+            if not k.startswith("model.embed_tokens") and k != "lm_head.token_ids"
+        }
         sd["lm_head.token_ids"] = model.lm_head.token_ids.to(torch.int32).contiguous()
         save_file(sd, str(tmp / DRAFT_FILE))
         (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

@@ -49,8 +49,9 @@ def load_tokenizer(spec: str) -> Any:
     return hf_models.load_tokenizer(spec)
 
 
-def load_model(spec: str, compression: str = "fp32", device: str = "cpu",
-               llm_int8_threshold: float | None = None) -> Any:
+def load_model(
+    spec: str, compression: str = "fp32", device: str = "cpu", llm_int8_threshold: float | None = None
+) -> Any:
     """Load ``spec`` at ``compression`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``nf4``).
 
     See :func:`speckv_policy.hf.models.load_model`; the distilled draft runs in
