@@ -177,3 +177,22 @@ def test_runtime_features_equal_log_features():
     runtime = np.array([f for f, s in zip(seen, h.stats) if s.gamma > 0])
     assert len(X) == len(runtime) > 5
     np.testing.assert_allclose(X.to_numpy(), runtime, rtol=1e-6, atol=1e-7)
+
+
+def test_model_loading_errors_name_the_problem(setup, tmp_path):
+    from speckv_policy.hf import models as hf_models
+    from speckv_policy.smollm2 import models as smollm2_models
+
+    _, target, _ = setup
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"model folder not found: {missing}"):
+        hf_models.load_model(missing)
+    with pytest.raises(FileNotFoundError, match=r"or use 'smollm2'"):
+        smollm2_models.load_model(str(missing))
+    with pytest.raises(ValueError, match="unknown compression 'int4'"):
+        hf_models.load_model(target, "int4")
+    # a local folder goes through both sources alike
+    assert hf_models.model_id(target) == smollm2_models.model_id(str(target)) == "target"
+    assert smollm2_models.load_tokenizer(str(target)) is None  # tiny models have no tokenizer
+    m = smollm2_models.load_model(str(target), "bf16")
+    assert m.dtype == torch.bfloat16 and not m.training
