@@ -45,6 +45,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc", default="docs/benchmarks.md", help="markdown file whose e2e section is rewritten")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--calibrate",
+        type=float,
+        default=90.0,
+        metavar="SECONDS",
+        help="first measure this machine's cost model with speckv-calibrate for SECONDS (default 90) "
+        "and race the exports re-priced with it (*-repriced arms); 0 skips it",
+    )
+    ap.add_argument(
+        "--costs",
+        default=None,
+        metavar="JSON",
+        help="use this calibration (speckv-calibrate --out) instead of calibrating now",
+    )
+    ap.add_argument("--costs-out", default="docs/e2e_costs.json", help="where the race's calibration is written")
+    ap.add_argument(
         "--render",
         metavar="JSON",
         default=None,
@@ -64,7 +79,36 @@ def main(argv: list[str] | None = None) -> int:
         picked = []
         for task in sorted({p.task_type for p in held}):
             picked += [p for p in held if p.task_type == task][: args.per_task]
-        arms = make_arms(Path(args.policy_dir), args.policy_prefix, args.arms.split(",") if args.arms else None)
+        costs = args.costs
+        calibration = None
+        if costs is None and args.calibrate > 0:
+            from speckv_policy.hf.calibrate import CalibrationConfig, calibrate
+
+            cal = CalibrationConfig(
+                target=args.target,
+                draft=args.draft,
+                compressions=_csv(args.compressions),
+                seconds=args.calibrate,
+                device=args.device,
+                seed=args.seed,
+            )
+            train = [p for p in read_prompts(args.prompts) if p.split == "train"] or held
+            cost, steps = calibrate(cal, train, models=SMOLLM2_MODELS)
+            cost.save(args.costs_out)
+            costs = args.costs_out
+            calibration = {
+                "file": args.costs_out,
+                "seconds": args.calibrate,
+                "steps": len(steps),
+                "cost_model": cost.to_dict(),
+                "describe": cost.describe(),
+            }
+            print(
+                f"calibrated this machine ({len(steps)} steps) -> {args.costs_out}:\n  " + "\n  ".join(cost.describe())
+            )
+        arms = make_arms(
+            Path(args.policy_dir), args.policy_prefix, args.arms.split(",") if args.arms else None, costs=costs
+        )
         cfg = RaceConfig(
             target=args.target,
             draft=args.draft,
@@ -78,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         result = run_race(cfg, arms, picked, models=SMOLLM2_MODELS)
         result["config"]["per_task"] = args.per_task
+        result["calibration"] = calibration or ({"file": costs} if costs else None)
         result["command"] = "python benchmarks/e2e.py " + " ".join(
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
         )

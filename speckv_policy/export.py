@@ -22,7 +22,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from . import __version__
 from .atomic import atomic_write
-from .objective import per_second_scale
+from .objective import CostModel, per_second_scale
 from .policies.base import GammaPolicy
 from .policies.baselines import FixedGammaPolicy, PaperMLP16Policy
 from .policies.gbt import HAZARD_FLOOR, GBTPolicy
@@ -39,15 +39,16 @@ OUTPUT_NAMES = ("gamma", "values", "expected_tokens")
 class _Graph:
     """Minimal ONNX graph builder with unique names."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "") -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.opsets: dict[str, int] = {"": OPSET}
         self._n = 0
+        self._prefix = prefix
 
     def _name(self, base: str) -> str:
         self._n += 1
-        return f"{base}_{self._n}"
+        return f"{self._prefix}{base}_{self._n}"
 
     def const(self, value: Any, dtype: Any = np.float32, name: str = "c") -> str:
         n = self._name(name)
@@ -135,7 +136,11 @@ def _table_tokens(g: _Graph, p: TablePolicy, x: str) -> str:
 
 
 def _codes(g: _Graph, p: GammaPolicy, x: str) -> str:
-    idx = get_feature_set(p.feature_set_).index("compression_code")
+    return _codes_of(g, p.feature_set_, x)
+
+
+def _codes_of(g: _Graph, feature_set: str, x: str) -> str:
+    idx = get_feature_set(feature_set).index("compression_code")
     v = g.op("Gather", x, g.const(idx, np.int64), axis=1)
     v = g.op("Clip", g.op("Round", v), g.const(0.0), g.const(float(N_COMPRESSION_CODES - 1)))
     return g.op("Cast", v, to=TensorProto.INT64)
@@ -163,6 +168,24 @@ _BUILDERS: dict[type, Callable[[_Graph, Any, str], str]] = {
     FixedGammaPolicy: _fixed_tokens,
     PaperMLP16Policy: _paper_tokens,
 }
+
+
+def _decision(g: _Graph, tokens: str, feature_set: str, candidates: np.ndarray, objective: str, cm: CostModel) -> None:
+    """``values`` and ``gamma`` from the expected tokens per candidate: the objective and its argmax.
+
+    ``tokens`` names the expected-tokens tensor; unless it is the graph output
+    ``expected_tokens`` already, that output is added here.
+    """
+    step_time = g.op("Gather", g.const(cm.time_table(candidates)), _codes_of(g, feature_set, INPUT_NAME), axis=0)
+    if objective == "tokens_per_step":
+        values = g.op("Identity", tokens, out="values")
+    else:
+        scale = per_second_scale(cm.unit)
+        values = g.op("Mul", g.op("Div", tokens, step_time), g.const(scale), out="values")
+    if tokens != "expected_tokens":
+        g.op("Identity", tokens, out="expected_tokens")
+    best = g.op("ArgMax", values, axis=1, keepdims=0)
+    g.op("Gather", g.const(candidates, np.int64), best, axis=0, out="gamma")
 
 
 def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
@@ -205,17 +228,7 @@ def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
     F = policy.n_features_in_
     x = INPUT_NAME
     tokens = builder(g, policy, x)
-    cm = policy.cost_model_
-    times = cm.time_table(policy.candidates_)
-    step_time = g.op("Gather", g.const(times), _codes(g, policy, x), axis=0)
-    if policy.objective == "tokens_per_step":
-        values = g.op("Identity", tokens, out="values")
-    else:
-        scale = per_second_scale(cm.unit)
-        values = g.op("Mul", g.op("Div", tokens, step_time), g.const(scale), out="values")
-    g.op("Identity", tokens, out="expected_tokens")
-    best = g.op("ArgMax", values, axis=1, keepdims=0)
-    g.op("Gather", g.const(policy.candidates_, np.int64), best, axis=0, out="gamma")
+    _decision(g, tokens, policy.feature_set_, policy.candidates_, policy.objective, policy.cost_model_)
     G = len(policy.candidates_)
     graph = helper.make_graph(
         g.nodes,
@@ -247,6 +260,76 @@ def export_onnx(policy: GammaPolicy, path: str | os.PathLike[str]) -> onnx.Model
     replaces anything at ``path``.
     """
     model = build_onnx(policy)
+    write_onnx(model, path)
+    return model
+
+
+def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelProto:
+    """A copy of an export that decides under ``cost_model``, with the same acceptance model.
+
+    The graph keeps everything that computes ``expected_tokens`` (the learned
+    part: expected tokens per candidate gamma, a property of the model pair and
+    the text) and gets a new decision tail: tokens/s per candidate under the
+    new step-time table, and its argmax. The metadata records the new cost
+    model (``speckv.cost_model``) and the one it replaced
+    (``speckv.repriced_from``).
+
+    Raises
+    ------
+    ValueError
+        If the model is not a speckv export, or maximises tokens per step (a
+        cost model does not change its decisions).
+    """
+    meta = {p.key: p.value for p in model.metadata_props}
+    need = ("speckv.feature_set", "speckv.candidates", "speckv.objective")
+    if any(k not in meta for k in need):
+        raise ValueError(
+            "not a speckv-policy export: its metadata lacks " + ", ".join(k for k in need if k not in meta)
+        )
+    if meta["speckv.objective"] != "tokens_per_second":
+        raise ValueError(
+            f"this export maximises {meta['speckv.objective']}: a cost model does not change its decisions"
+        )
+    outputs = {o.name for o in model.graph.output}
+    if not {"gamma", "values", "expected_tokens"} <= outputs:
+        raise ValueError(f"not a speckv-policy export: outputs {sorted(outputs)}")
+    # keep the nodes that expected_tokens depends on, drop the old decision tail
+    producer = {o: n for n in model.graph.node for o in n.output}
+    keep: list[onnx.NodeProto] = []
+    seen: set[int] = set()
+    stack = ["expected_tokens"]
+    while stack:
+        node = producer.get(stack.pop())
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        stack.extend(node.input)
+    kept = [n for n in model.graph.node if id(n) in seen]  # original (topological) order
+    used = {i for n in kept for i in n.input}
+    g = _Graph(prefix="reprice_")
+    candidates = np.asarray(json.loads(meta["speckv.candidates"]), dtype=np.int64)
+    _decision(g, "expected_tokens", meta["speckv.feature_set"], candidates, "tokens_per_second", cost_model)
+    graph = helper.make_graph(
+        kept + g.nodes,
+        model.graph.name,
+        list(model.graph.input),
+        list(model.graph.output),
+        initializer=[t for t in model.graph.initializer if t.name in used] + g.inits,
+    )
+    out = helper.make_model(
+        graph, opset_imports=list(model.opset_import), producer_name=model.producer_name, producer_version=__version__
+    )
+    out.ir_version = model.ir_version
+    meta["speckv.repriced_from"] = meta.get("speckv.cost_model", "")
+    meta["speckv.cost_model"] = cost_model.to_json()
+    helper.set_model_props(out, meta)
+    onnx.checker.check_model(out, full_check=True)
+    return out
+
+
+def write_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
+    """Write a checked ONNX model to ``path`` atomically."""
     data = model.SerializeToString()
 
     def write(tmp: str) -> None:
@@ -254,4 +337,3 @@ def export_onnx(policy: GammaPolicy, path: str | os.PathLike[str]) -> onnx.Model
             fh.write(data)
 
     atomic_write(path, write)
-    return model

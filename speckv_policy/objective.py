@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -306,21 +307,30 @@ class CostModel:
             verify_table_ms=table,
         )
 
-    def step_ms(self, gamma: np.ndarray | Sequence[int] | int, code: np.ndarray | int) -> np.ndarray:
-        """Expected step time for ``gamma`` at compression ``code`` (broadcast)."""
-        g = np.asarray(gamma, dtype=np.float64)
+    def draft_ms(self, tokens: np.ndarray | Sequence[int] | int, code: np.ndarray | int) -> np.ndarray:
+        """Time of one drafting call producing ``tokens`` tokens (0 for none), broadcast."""
+        k = np.asarray(tokens, dtype=np.float64)
         c = np.asarray(code, dtype=np.int64)
         d = np.asarray(self.draft_ms_per_token)[c]
         db = np.asarray(self.draft_base_ms)[c]
-        vb = np.asarray(self.verify_base_ms)[c]
-        vs = np.asarray(self.verify_ms_per_token)[c]
-        k = np.maximum(g, self.decision_draft_tokens)
-        verify = vb + vs * g
+        return np.where(k > 0, db + k * d, 0.0)
+
+    def verify_ms(self, gamma: np.ndarray | Sequence[int] | int, code: np.ndarray | int) -> np.ndarray:
+        """Time of the target pass verifying ``gamma`` draft tokens (``gamma + 1`` positions), broadcast."""
+        g = np.asarray(gamma, dtype=np.float64)
+        c = np.asarray(code, dtype=np.int64)
+        verify = np.asarray(self.verify_base_ms)[c] + np.asarray(self.verify_ms_per_token)[c] * g
         if self.verify_table_ms is not None:
             table = np.asarray(self.verify_table_ms, dtype=np.float64)
             gi = np.clip(g, 0, table.shape[1] - 1).astype(np.int64)
             verify = np.where(g < table.shape[1], table[c, gi], verify)
-        return self.overhead_ms + np.where(k > 0, db + k * d, 0.0) + verify
+        return verify
+
+    def step_ms(self, gamma: np.ndarray | Sequence[int] | int, code: np.ndarray | int) -> np.ndarray:
+        """Expected step time for ``gamma`` at compression ``code`` (broadcast)."""
+        g = np.asarray(gamma, dtype=np.float64)
+        k = np.maximum(g, self.decision_draft_tokens)
+        return self.overhead_ms + self.draft_ms(k, code) + self.verify_ms(g, code)
 
     def time_table(self, candidates: Sequence[int]) -> np.ndarray:
         """Step times, shape (3, G): row = compression code, column = candidate."""
@@ -348,6 +358,74 @@ class CostModel:
     def to_json(self) -> str:
         """JSON string of :meth:`to_dict`."""
         return json.dumps(self.to_dict(), sort_keys=True)
+
+    def describe(self) -> list[str]:
+        """One line per compression code: draft per call and per token, verify per gamma (for printing)."""
+        names = COMPRESSION_NAMES_BY_CODE
+        lines = []
+        for c in range(N_COMPRESSION_CODES):
+            if self.verify_table_ms:
+                verify = (
+                    f"verify for gamma 0..{len(self.verify_table_ms[c]) - 1}: "
+                    f"{np.round(self.verify_table_ms[c], 1).tolist()}"
+                )
+            else:
+                verify = f"verify {self.verify_base_ms[c]:.2f} + {self.verify_ms_per_token[c]:.2f} per token"
+            lines.append(
+                f"{c} ({names[c]}): draft {self.draft_base_ms[c]:.1f} per call + "
+                f"{self.draft_ms_per_token[c]:.2f} per token; {verify}"
+            )
+        return lines
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_dict` as JSON to ``path``, atomically (what ``speckv-calibrate`` writes)."""
+        from .atomic import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, source: CostModel | dict[str, Any] | str | os.PathLike[str]) -> CostModel:
+        """A cost model from a :class:`CostModel`, its :meth:`to_dict`, or a JSON file written by :meth:`save`.
+
+        Raises
+        ------
+        FileNotFoundError
+            If the file does not exist.
+        ValueError
+            Naming the file, when it is not JSON or not a cost model.
+        """
+        if isinstance(source, CostModel):
+            return source
+        if isinstance(source, dict):
+            where, d = "cost model", source
+        else:
+            where = os.fspath(source)
+            if not os.path.isfile(where):
+                raise FileNotFoundError(f"cost model file not found: {where}")
+            try:
+                with open(where, encoding="utf-8") as fh:
+                    d = json.load(fh)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{where}: not a JSON cost model ({exc})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a JSON object with the CostModel fields, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        missing = sorted(k for k in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token") if k not in d)
+        if unknown or missing:
+            raise ValueError(
+                f"{where}: not a cost model"
+                + (f"; unknown fields {', '.join(unknown)}" if unknown else "")
+                + (f"; missing fields {', '.join(missing)}" if missing else "")
+            )
+        try:
+            return cls.from_dict(d)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: invalid cost model ({exc})") from None
+
+
+#: What each compression code stands for, as :meth:`CostModel.describe` prints it.
+COMPRESSION_NAMES_BY_CODE = ("full precision", "int8", "nf4")
 
 
 def per_second_scale(unit: str) -> float:

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from .features import as_feature_matrix
-from .schema import COMPRESSION_CODES, FEATURE_SETS, FeatureSet
+from .objective import CostModel, per_second_scale
+from .schema import COMPRESSION_CODES, FEATURE_SETS, N_COMPRESSION_CODES, FeatureSet
 
 #: What a caller who wants fallbacks is advised to use: HF's classic fixed length.
 DEFAULT_FALLBACK_GAMMA = 4
@@ -78,6 +79,13 @@ class RuntimePolicy:
         ``None``: failures raise. An int: failures return it, with one warning.
     intra_op_num_threads : int, default=1
         onnxruntime threads; one is fastest for a per-step decision.
+    cost_model : CostModel, dict, path or None, default=None
+        Re-price the export for the machine it runs on: decide the argmax of
+        expected tokens over step time under this cost model (e.g. the JSON
+        ``speckv-calibrate`` writes) instead of the one the export was priced
+        with. The acceptance model (expected tokens per candidate) is the
+        export's own; only the prices change. Needs an export that maximises
+        tokens per second (:attr:`repriceable`).
 
     Attributes
     ----------
@@ -87,6 +95,15 @@ class RuntimePolicy:
         Gammas the model can return.
     metadata : dict of str to str
         The model's ``speckv.*`` metadata.
+    cost_model : CostModel or None
+        The cost model decisions are priced with: the one given, else the
+        export's own (None for an export without one).
+    repriced : bool
+        Whether decisions use a cost model other than the export's own.
+    repriceable : bool
+        Whether the export can be re-priced: it maximises tokens per second and
+        outputs ``expected_tokens`` (every speckv export except tokens-per-step
+        ones, e.g. the published MLP16 recipe).
     """
 
     def __init__(
@@ -96,6 +113,7 @@ class RuntimePolicy:
         providers: str | Sequence[str] = "cpu",
         fallback_gamma: int | None = None,
         intra_op_num_threads: int = 1,
+        cost_model: Any = None,
     ) -> None:
         if fallback_gamma is not None and (not isinstance(fallback_gamma, (int, np.integer)) or fallback_gamma < 0):
             raise ValueError(f"fallback_gamma must be a non-negative int or None, got {fallback_gamma!r}")
@@ -109,13 +127,69 @@ class RuntimePolicy:
         self.feature_set: FeatureSet | None = None
         self.provider = "none"
         self._x: np.ndarray | None = None
+        self.cost_model: CostModel | None = None
+        self.repriced = False
+        self._times: np.ndarray | None = None  # float32 (3, G) step times when re-priced
+        self._scale = np.float32(1.0)
+        self._code_index = 0
         try:
             self._load(providers, intra_op_num_threads)
+            if cost_model is not None:
+                self.reprice(cost_model)
         except (PolicyLoadError, OSError) as exc:
             if self.fallback_gamma is None:
                 raise
             self.load_error = exc
+            self._session = self._x = None  # a half-configured policy never decides
             self._fallback(exc)
+
+    # -- pricing -----------------------------------------------------------
+    @property
+    def repriceable(self) -> bool:
+        return self.metadata.get("speckv.objective", "tokens_per_second") == "tokens_per_second"
+
+    def reprice(self, cost_model: Any) -> None:
+        """Decide under ``cost_model`` from now on (a :class:`CostModel`, its dict, or a JSON file).
+
+        Raises
+        ------
+        PolicyLoadError
+            If the export maximises tokens per step, or the cost model cannot be read.
+        """
+        if not self.repriceable:
+            raise PolicyLoadError(
+                f"{self.path}: this export maximises {self.metadata.get('speckv.objective')}; "
+                "a cost model does not change its decisions"
+            )
+        try:
+            cm = CostModel.load(cost_model)
+        except (ValueError, FileNotFoundError) as exc:
+            raise PolicyLoadError(f"{self.path}: cannot re-price: {exc}") from exc
+        self.set_step_times(cm.time_table(self.candidates), unit=cm.unit)
+        self.cost_model = cm
+        self.repriced = True
+
+    def set_step_times(self, times: Any, unit: str = "ms") -> None:
+        """Decide with these step times: shape ``(3, G)``, row = compression code, column = candidate.
+
+        The fast path for live cost estimates (:func:`speckv_policy.hf.attach` with
+        ``costs="live"``): no cost model object, just the table.
+        """
+        t = np.asarray(times, dtype=np.float32)
+        if t.shape != (N_COMPRESSION_CODES, len(self.candidates)) or not np.all(np.isfinite(t)) or (t <= 0).any():
+            raise ValueError(
+                f"step times must be a finite, positive ({N_COMPRESSION_CODES}, {len(self.candidates)}) table "
+                f"(compression code x candidate {self.candidates.tolist()}), got shape {t.shape}"
+            )
+        self._times = t
+        self._scale = np.float32(per_second_scale(unit))
+        self.repriced = True
+
+    def _priced(self, expected_tokens: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(gamma, values) under the re-priced step times, in float32 like the exported graph."""
+        codes = np.clip(np.rint(x[:, self._code_index]), 0, N_COMPRESSION_CODES - 1).astype(np.int64)
+        values = (expected_tokens / self._times[codes]) * self._scale  # type: ignore[index]
+        return self.candidates[np.argmax(values, axis=1)], values
 
     # -- loading ---------------------------------------------------------
     def _load(self, providers: str | Sequence[str], threads: int) -> None:
@@ -189,6 +263,12 @@ class RuntimePolicy:
             )
         self.feature_set = fs
         self.candidates = np.asarray(json.loads(m["speckv.candidates"]), dtype=np.int64)
+        self._code_index = fs.index("compression_code")
+        if "speckv.cost_model" in m:
+            try:
+                self.cost_model = CostModel.from_dict(json.loads(m["speckv.cost_model"]))
+            except (TypeError, ValueError) as exc:
+                raise PolicyLoadError(f"{self.path}: unreadable speckv.cost_model metadata ({exc})") from exc
 
     # -- deciding ----------------------------------------------------------
     def _fallback(self, exc: Exception) -> int:
@@ -236,6 +316,9 @@ class RuntimePolicy:
                 x = self._matrix(features)
                 if x.shape[0] != 1:
                     raise ValueError(f"decide() takes one step's features, got {x.shape[0]} rows; use decide_batch")
+            if self._times is not None:
+                e = self._session.run(["expected_tokens"], {"features": x})[0]
+                return int(self._priced(e, x)[0][0])
             return int(self._session.run(["gamma"], {"features": x})[0][0])
         except Exception as exc:
             if self.fallback_gamma is None:
@@ -245,17 +328,23 @@ class RuntimePolicy:
     def decide_batch(self, features: Any) -> np.ndarray:
         """Gamma per row of an ``(n, F)`` matrix or DataFrame (no fallback)."""
         x = self._matrix(features)
+        if self._times is not None:
+            return self._priced(self._session.run(["expected_tokens"], {"features": x})[0], x)[0]
         return self._session.run(["gamma"], {"features": x})[0]
 
     def expected_values(self, features: Any) -> dict[str, np.ndarray]:
         """``gamma``, ``values`` (objective per candidate) and ``expected_tokens``."""
         x = self._matrix(features)
         g, v, e = self._session.run(["gamma", "values", "expected_tokens"], {"features": x})
+        if self._times is not None:
+            g, v = self._priced(e, x)
         return {"gamma": g, "candidates": self.candidates.copy(), "values": v, "expected_tokens": e}
 
     def __repr__(self) -> str:
         fs = self.feature_set.name if self.feature_set else "?"
         return (
             f"RuntimePolicy({self.path!r}, policy={self.metadata.get('speckv.policy', '?')}, "
-            f"feature_set={fs}, candidates={self.candidates.tolist()}, provider={self.provider})"
+            f"feature_set={fs}, candidates={self.candidates.tolist()}, provider={self.provider}"
+            + (", repriced" if self.repriced else "")
+            + ")"
         )

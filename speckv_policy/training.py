@@ -47,6 +47,24 @@ def fit_from_log(policy: GammaPolicy, log: pd.DataFrame, split: str | None = "tr
     return policy.fit(X, y)
 
 
+def with_cost_model(policy: GammaPolicy, cost_model: CostModel) -> GammaPolicy:
+    """A copy of a fitted policy that decides under ``cost_model`` (its acceptance model unchanged).
+
+    What :class:`~speckv_policy.runtime.RuntimePolicy` does with ``cost_model=``
+    and ``speckv-export --reprice`` do to an export, in Python. Tokens-per-step
+    policies are returned as copies too (their decisions ignore the cost model).
+    """
+    import copy
+
+    from sklearn.utils.validation import check_is_fitted
+
+    check_is_fitted(policy)
+    out = copy.deepcopy(policy)
+    out.cost_model = cost_model
+    out.cost_model_ = cost_model
+    return out
+
+
 def save_policy(policy: GammaPolicy, path: str | os.PathLike[str]) -> None:
     """joblib-dump a fitted policy atomically."""
     atomic_write(path, lambda tmp: joblib.dump(policy, tmp))

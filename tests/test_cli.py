@@ -208,3 +208,41 @@ def test_docs_cover_the_schemas():
     assert all(f"`{c}`" in schema_doc for c in COLUMNS)
     feature_doc = (ROOT / "docs" / "features.md").read_text()
     assert all(f"`{n}`" in feature_doc for fs in FEATURE_SETS.values() for n in fs.names)
+
+
+def test_export_one_liner_and_reprice(tmp_path, capsys, monkeypatch):
+    """`speckv-export model.onnx` as a user first types it, then re-priced for another machine."""
+    from speckv_policy.objective import CostModel
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "model.onnx"
+    assert export_cli.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "trained on datasets/smollm2/steps.parquet" in text and "priced with the cost model" in text
+    assert f"speckv-export --reprice costs.json {out}" in text
+    assert out.read_bytes() == (ROOT / "exported" / "smollm2-gbt.onnx").read_bytes()  # the shipped default
+    costs = tmp_path / "costs.json"
+    CostModel.relative(draft_cost=0.3, verify_cost_per_token=0.01).save(costs)
+    here = tmp_path / "model-here.onnx"
+    assert export_cli.main(["--reprice", str(costs), str(out), str(here)]) == 0
+    assert "re-priced" in capsys.readouterr().out
+    assert RuntimePolicy(here).cost_model == CostModel.load(costs)
+    log = read_log(ROOT / "datasets" / "smollm2" / "steps.parquet")
+    X, _ = training_data(log, "online", split="heldout")
+    np.testing.assert_array_equal(
+        RuntimePolicy(here).decide_batch(X), RuntimePolicy(out, cost_model=costs).decide_batch(X)
+    )
+    # clear errors, nothing written
+    bad = tmp_path / "bad.onnx"
+    assert export_cli.main(["--reprice", str(costs), str(out)]) == 2
+    assert "--reprice takes INPUT.onnx OUTPUT.onnx" in capsys.readouterr().err
+    assert export_cli.main(["--reprice", str(tmp_path / "none.json"), str(out), str(bad)]) == 2
+    assert "cost model file not found" in capsys.readouterr().err
+    assert (
+        export_cli.main(["--reprice", str(costs), str(ROOT / "exported" / "smollm2-paper-mlp16.onnx"), str(bad)]) == 2
+    )
+    assert "maximises tokens_per_step" in capsys.readouterr().err
+    assert not bad.exists()
+    monkeypatch.chdir(tmp_path)
+    assert export_cli.main([str(tmp_path / "x.onnx")]) == 2
+    assert "run from the speckv-policy repository" in capsys.readouterr().err

@@ -65,6 +65,10 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
         "6",
         "--policy-prefix",
         "synthetic-",
+        "--calibrate",
+        "2",
+        "--costs-out",
+        str(d / "costs.json"),
         "--out",
         str(d / "e2e.json"),
         "--plot",
@@ -93,8 +97,14 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
         "mlp-backoff",
         "gbt-backoff",
         "table-backoff",
+        *(f"{k}-{tag}" for k in ("mlp", "gbt", "table") for tag in ("repriced", "live")),
     }
     assert set(res["arms"]) == expected
+    # the race calibrated this machine first and raced the exports re-priced with it
+    from speckv_policy.objective import CostModel
+
+    assert CostModel.load(d / "costs.json").device == "cpu"
+    assert res["calibration"]["file"] == str(d / "costs.json") and res["calibration"]["steps"] > 0
     assert res["mismatches"] == []  # every greedy arm reproduced the target's greedy output
     runs = res["runs"]
     assert len(runs) == 2 * 2 * len(expected)  # 2 decodings x 2 held-out prompts x arms
@@ -107,6 +117,7 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nkept text") and text.count(race.BEGIN) == 1
     assert "### fp32, greedy" in text and "Every greedy run produced exactly" in text
+    assert "measured first (`speckv-calibrate`" in text
     assert (d / "e2e.png").read_bytes()[:4] == b"\x89PNG"
     # re-rendering from the saved JSON reproduces the section without running anything
     before = doc.read_text()

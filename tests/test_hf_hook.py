@@ -314,3 +314,54 @@ def test_transformers_version_outside_the_tested_range_is_a_clear_error(monkeypa
         match=rf"transformers {transformers.__version__} lacks .*_generate_candidates",
     ):
         _compat.check_transformers_version()
+
+
+def test_costs_reprice_the_export_and_stay_lossless(pair, fitted, tmp_path):
+    from speckv_policy.export import export_onnx
+    from speckv_policy.objective import CostModel
+    from speckv_policy.runtime import RuntimePolicy
+
+    target, draft = pair
+    ids = torch.tensor([[1, 2, 3]])
+    ref = _greedy(target, ids, 30)
+    path = tmp_path / "g.onnx"
+    export_onnx(fitted["gbt"], path)
+    dear_draft = CostModel.relative(draft_cost=2.0, verify_cost_per_token=0.0)  # drafting never pays here
+    costs_file = tmp_path / "costs.json"
+    dear_draft.save(costs_file)
+    mine = RuntimePolicy(path)
+    for costs in (dear_draft, costs_file):
+        with attach(target, mine, compression="fp32", costs=costs) as h:
+            out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+        assert torch.equal(out, ref)
+        assert h.runtime is not mine and h.runtime.repriced and h.runtime.cost_model == dear_draft
+        assert all(s.gamma == 0 for s in h.stats)  # priced so that drafting never pays, it never drafts
+    assert not mine.repriced  # the caller's policy object is left as it was
+    # live costs: estimates from the steps just timed (a tiny model steps in ~1 ms, far from the prior's prices)
+    with attach(target, str(path), compression="fp32", costs="live") as h:
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    live = h.live_costs
+    assert live is not None and live.observations == len(h.stats)
+    prior = fitted["gbt"].cost_model_.time_table(h.runtime.candidates)[0]
+    assert not np.allclose(live.step_ms(h.runtime.candidates), prior)
+    with attach(target, str(path), compression="fp32", mode="per-token", costs="live") as h:
+        out = target.generate(ids, max_new_tokens=30, do_sample=True, top_k=0, assistant_model=draft)
+    assert out.shape[1] == ids.shape[1] + 30
+
+
+def test_costs_errors(pair, fitted, tmp_path):
+    from speckv_policy.export import export_onnx
+
+    target, _ = pair
+    export_onnx(fitted["paper-mlp16"], tmp_path / "p.onnx")
+    export_onnx(fitted["table"], tmp_path / "t.onnx")
+    with pytest.raises(ValueError, match="needs an ONNX export"):
+        attach(target, fitted["table"], compression="fp32", costs="live")
+    with pytest.raises(ValueError, match="mode='fixed' has no policy"):
+        attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 2, costs="live")
+    with pytest.raises(ValueError, match="maximises tokens_per_step"):
+        attach(target, str(tmp_path / "p.onnx"), compression="fp32", mode="truncate", costs="live")
+    with pytest.raises(ValueError, match="cost model file not found: .*nope.json"):
+        attach(target, str(tmp_path / "t.onnx"), compression="fp32", costs=tmp_path / "nope.json")
+    assert "_get_candidate_generator" not in target.__dict__  # a refused attach leaves the model untouched

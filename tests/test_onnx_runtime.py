@@ -11,9 +11,11 @@ import numpy as np
 import onnx
 import pytest
 
-from speckv_policy.export import build_onnx, export_onnx
+from speckv_policy.export import build_onnx, export_onnx, reprice_onnx, write_onnx
+from speckv_policy.objective import CostModel
 from speckv_policy.runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
 from speckv_policy.schema import ONLINE, get_feature_set
+from speckv_policy.training import with_cost_model
 
 from .conftest import edge_rows
 
@@ -186,3 +188,74 @@ def test_runtime_imports_neither_sklearn_nor_torch(exported):
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# a cost regime unlike the fitted one: verification nearly flat in gamma, a dear draft (GPU-like relative costs)
+OTHER_COSTS = CostModel.relative(draft_cost=0.3, verify_cost_per_token=0.01)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gbt", "table", "fixed"])
+def test_repricing_at_load_and_in_the_file_match_python(name, fitted, exported, heldout, tmp_path):
+    """Re-pricing keeps the acceptance model and changes only the prices, identically in Python, the runtime and ONNX."""
+    policy = fitted[name]
+    model, path = exported[name]
+    X, _ = _rows(name, heldout)
+    py = with_cost_model(policy, OTHER_COSTS)
+    want = py.predict(X)
+    rt = RuntimePolicy(path, cost_model=OTHER_COSTS)
+    assert rt.repriced and rt.repriceable and rt.cost_model == OTHER_COSTS and "repriced" in repr(rt)
+    got = rt.decide_batch(X)
+    assert (got == want).mean() >= 0.999
+    if name != "fixed":
+        assert (got != RuntimePolicy(path).decide_batch(X)).mean() > 0.05  # the prices really moved decisions
+    for i in range(0, X.shape[0], 97):
+        assert rt.decide(X[i]) == got[i]
+    np.testing.assert_allclose(rt.expected_values(X)["values"], py.expected_values(X)["objective"], rtol=1e-4)
+    # the same decision written into the file
+    new = reprice_onnx(model, OTHER_COSTS)
+    onnx.checker.check_model(new, full_check=True)
+    out = tmp_path / "repriced.onnx"
+    write_onnx(new, out)
+    rt2 = RuntimePolicy(out)
+    np.testing.assert_array_equal(rt2.decide_batch(X), got)
+    assert CostModel.from_dict(json.loads(rt2.metadata["speckv.cost_model"])) == OTHER_COSTS
+    assert (
+        rt2.metadata["speckv.repriced_from"]
+        == model.metadata_props[[p.key for p in model.metadata_props].index("speckv.cost_model")].value
+    )
+    assert len(new.graph.node) <= len(model.graph.node) + 2  # the old decision tail is gone, not kept beside the new
+    # re-pricing with the export's own costs changes nothing
+    np.testing.assert_array_equal(
+        RuntimePolicy(path, cost_model=policy.cost_model_).decide_batch(X), RuntimePolicy(path).decide_batch(X)
+    )
+
+
+def test_tokens_per_step_exports_cannot_be_repriced(exported, tmp_path):
+    model, path = exported["paper-mlp16"]
+    assert not RuntimePolicy(path).repriceable
+    with pytest.raises(PolicyLoadError, match="maximises tokens_per_step"):
+        RuntimePolicy(path, cost_model=OTHER_COSTS)
+    with pytest.raises(ValueError, match="maximises tokens_per_step"):
+        reprice_onnx(model, OTHER_COSTS)
+
+
+def test_cost_model_files(exported, tmp_path):
+    _, path = exported["gbt"]
+    good = tmp_path / "costs.json"
+    OTHER_COSTS.save(good)
+    assert RuntimePolicy(path, cost_model=good).cost_model == OTHER_COSTS
+    with pytest.raises(PolicyLoadError, match="cost model file not found"):
+        RuntimePolicy(path, cost_model=tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PolicyLoadError, match="bad.json: not a JSON cost model"):
+        RuntimePolicy(path, cost_model=bad)
+    bad.write_text('{"draft_ms_per_token": [1, 1, 1], "colour": "blue"}')
+    with pytest.raises(PolicyLoadError, match="unknown fields colour; missing fields verify_base_ms"):
+        RuntimePolicy(path, cost_model=bad)
+    # with a fallback gamma a bad cost model falls back instead of raising
+    with pytest.warns(PolicyFallbackWarning):
+        rt = RuntimePolicy(path, cost_model=bad, fallback_gamma=3)
+    assert rt.decide(np.zeros(ONLINE.n_features, np.float32)) == 3
+    with pytest.raises(ValueError, match="step times must be"):
+        RuntimePolicy(path).set_step_times(np.ones((3, 2)))

@@ -196,3 +196,53 @@ def test_model_loading_errors_name_the_problem(setup, tmp_path):
     assert smollm2_models.load_tokenizer(str(target)) is None  # tiny models have no tokenizer
     m = smollm2_models.load_model(str(target), "bf16")
     assert m.dtype == torch.bfloat16 and not m.training
+
+
+def test_calibrate_times_every_gamma_through_the_hook(setup, tmp_path, capsys):
+    from speckv_policy.cli import calibrate as calibrate_cli
+    from speckv_policy.hf.calibrate import CalibrationConfig, calibrate
+
+    d, target, draft = setup
+    cfg = CalibrationConfig(
+        target=target, draft=draft, compressions=("fp32", "int8"), gamma_max=4, seconds=3.0, max_new_tokens=20
+    )
+    cost, steps = calibrate(cfg, read_prompts(d / "prompts.jsonl"))
+    assert set(steps["compression"]) == {"fp32", "int8"} and set(steps["gamma"]) == set(range(5))
+    assert (steps["step"] > 0).all()  # first steps (prefill) left out
+    assert cost.device == "cpu" and cost.decision_draft_tokens == 0 and len(cost.verify_table_ms[0]) == 5
+    # the fitted table is the mean verify time per gamma, per level
+    g2 = steps[(steps["compression"] == "int8") & (steps["gamma"] == 2)]
+    assert cost.verify_table_ms[1][2] == pytest.approx(g2["verify_ms"].mean())
+    out = tmp_path / "costs.json"
+    assert (
+        calibrate_cli.main(
+            [
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--prompts",
+                str(d / "prompts.jsonl"),
+                "--compressions",
+                "fp32",
+                "--seconds",
+                "1",
+                "--gamma-max",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert CostModel.load(out).device == "cpu" and "2 (nf4)" in text and "not timed" in text
+    assert (
+        calibrate_cli.main(
+            ["--target", target, "--draft", draft, "--prompts", str(tmp_path / "nope.jsonl"), "--out", str(out)]
+        )
+        == 2
+    )
+    assert "prompt file not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        calibrate_cli.main(["--out", str(out), "--seconds", "-1"])

@@ -1,9 +1,11 @@
-"""``speckv-export``: export a saved policy, or train one from a log and export it.
+"""``speckv-export``: export a policy to ONNX, or re-price an export for another machine.
 
 Examples
 --------
-speckv-export model.onnx --policy saved.joblib
+speckv-export model.onnx                       # the default: GBT trained on the shipped SmolLM2 profile
 speckv-export model.onnx --train datasets/synthetic/steps.parquet --policy gbt
+speckv-export model.onnx --policy saved.joblib
+speckv-export --reprice costs.json model.onnx model-here.onnx   # costs from speckv-calibrate
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import time
 import numpy as np
 
 from ..policies import POLICIES
+
+DEFAULT_LOG = "datasets/smollm2/steps.parquet"
+DEFAULT_KIND = "gbt"
 
 
 def _candidates(text: str) -> tuple[int, ...]:
@@ -35,13 +40,28 @@ def build_parser() -> argparse.ArgumentParser:
         prog="speckv-export",
         description="Export a gamma policy to ONNX (optionally training it from a step log first).",
     )
-    p.add_argument("output", help="path of the .onnx file to write (written atomically)")
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="OUTPUT.onnx to write (atomically); with --reprice: INPUT.onnx OUTPUT.onnx",
+    )
     p.add_argument(
         "--policy",
-        required=True,
-        help="a joblib file of a fitted policy; with --train, the kind to train: " + ", ".join(POLICIES),
+        help=f"a joblib file of a fitted policy, or with --train the kind to train: {', '.join(POLICIES)} "
+        f"(default: {DEFAULT_KIND} trained on {DEFAULT_LOG})",
     )
-    p.add_argument("--train", metavar="LOG", help="step log (.parquet or .csv) to train on (its 'train' split)")
+    p.add_argument(
+        "--train",
+        metavar="LOG",
+        help=f"step log (.parquet or .csv) to train on, its 'train' split (default with no --policy: {DEFAULT_LOG})",
+    )
+    p.add_argument(
+        "--reprice",
+        metavar="COSTS_JSON",
+        help="re-price INPUT.onnx with this cost model (from speckv-calibrate) and write OUTPUT.onnx; "
+        "the acceptance model is kept, only the step-time prices change",
+    )
     p.add_argument("--feature-set", choices=["online", "paper"], help="default: online (paper for paper-mlp16)")
     p.add_argument(
         "--objective",
@@ -60,16 +80,63 @@ def build_parser() -> argparse.ArgumentParser:
         "--decision-draft-tokens",
         type=int,
         choices=[0, 1],
-        default=0,
-        help="draft tokens paid before the decision (1 for the hook's upfront mode)",
+        default=None,
+        help="draft tokens paid before the decision: 1 for the hook's upfront mode (the default when training the "
+        "default policy), else 0",
     )
     p.add_argument("--device", help="device whose timings to fit when the log has several")
     p.add_argument("--save-policy", metavar="JOBLIB", help="also save the fitted Python policy")
     return p
 
 
+def _reprice(args: argparse.Namespace) -> int:
+    from ..export import reprice_onnx, write_onnx
+    from ..objective import CostModel
+
+    if len(args.paths) != 2:
+        print("speckv-export: error: --reprice takes INPUT.onnx OUTPUT.onnx", file=sys.stderr)
+        return 2
+    src, dst = args.paths
+    try:
+        import onnx
+
+        cm = CostModel.load(args.reprice)
+        if not os.path.isfile(src):
+            raise FileNotFoundError(f"export not found: {src}")
+        try:
+            model = onnx.load(src)
+        except Exception as exc:  # protobuf's DecodeError and friends
+            raise ValueError(f"{src}: not a readable ONNX file ({exc})") from None
+        new = reprice_onnx(model, cm)
+        write_onnx(new, dst)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"speckv-export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"re-priced {src} -> {dst} with the cost model in {args.reprice} ({cm.unit}, device {cm.device}):")
+    for line in cm.describe():
+        print(f"  {line}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.reprice:
+        return _reprice(args)
+    if len(args.paths) != 1:
+        print(
+            "speckv-export: error: give one OUTPUT.onnx (or --reprice COSTS_JSON INPUT.onnx OUTPUT.onnx)",
+            file=sys.stderr,
+        )
+        return 2
+    args.output = args.paths[0]
+    default = args.policy is None
+    if default:
+        args.policy = DEFAULT_KIND
+        args.train = args.train or DEFAULT_LOG
+        if args.decision_draft_tokens is None:
+            args.decision_draft_tokens = 1  # the hook's default upfront mode reads one draft token first
+    if args.decision_draft_tokens is None:
+        args.decision_draft_tokens = 0
     from ..export import export_onnx
     from ..logs import LogValidationError, read_log
     from ..objective import CostModel
@@ -80,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     log = None
     try:
         if args.train:
+            if default and args.train == DEFAULT_LOG and not os.path.exists(DEFAULT_LOG):
+                raise FileNotFoundError(
+                    f"the default training log {DEFAULT_LOG} is not here: run from the speckv-policy repository "
+                    "or pass --train LOG --policy KIND"
+                )
             log = read_log(args.train)
             cm = (
                 CostModel.fit(log, device=args.device, decision_draft_tokens=args.decision_draft_tokens)
@@ -121,10 +193,18 @@ def main(argv: list[str] | None = None) -> int:
         f"  candidates {policy.candidates_.tolist()}, objective {policy.objective}, "
         f"training rows {policy.n_training_rows_}, fingerprint {policy.training_fingerprint_}"
     )
+    if log is not None:
+        n_train = int((log["split"] == "train").sum())
+        print(
+            f"  trained on {args.train}: {n_train} steps of its 'train' split "
+            f"({log.loc[log['split'] == 'train', 'prompt_id'].nunique()} prompts)"
+        )
     print(
-        f"  cost model ({cm.unit}, device {cm.device}): draft/token {np.round(cm.draft_ms_per_token, 2).tolist()}, "
-        f"verify base {np.round(cm.verify_base_ms, 2).tolist()}, verify/token {np.round(cm.verify_ms_per_token, 2).tolist()}"
+        f"  priced with the cost model of device {cm.device} ({cm.unit}; per compression code; "
+        f"{cm.decision_draft_tokens} draft token(s) paid before deciding):"
     )
+    for line in cm.describe():
+        print(f"    {line}")
     if log is not None and (log["split"] == "heldout").any():
         try:
             from ..evaluation import evaluate_log
@@ -149,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         except ValueError as exc:
             print(f"  held-out evaluation skipped: {exc}")
+    if rt.repriceable:
+        print(
+            "  costs differ from machine to machine: price it for the one that runs it with\n"
+            f"    speckv-calibrate --out costs.json && speckv-export --reprice costs.json {args.output} "
+            f"{os.path.splitext(args.output)[0]}-here.onnx"
+        )
     print(f"  done in {time.perf_counter() - t0:.1f} s")
     return 0
 

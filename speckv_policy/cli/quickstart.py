@@ -68,17 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         f"log {args.log}: {len(log)} steps ({n_train} train / {len(log) - n_train} held-out)"
         + ("  [SYNTHETIC data: known acceptance process, not a model]" if synthetic else "")
     )
-    print(f"cost model fitted on {cm.device} (ms; per compression code 0 = full precision, 1 = int8, 2 = nf4):")
-    for code in range(len(cm.draft_ms_per_token)):
-        print(
-            f"  {code}: draft {cm.draft_base_ms[code]:.1f} per call + {cm.draft_ms_per_token[code]:.2f} per token; "
-            + (
-                f"verify for gamma 0..{len(cm.verify_table_ms[code]) - 1}: "
-                f"{np.round(cm.verify_table_ms[code], 1).tolist()}"
-                if cm.verify_table_ms
-                else f"verify {cm.verify_base_ms[code]:.1f} + {cm.verify_ms_per_token[code]:.2f} per token"
-            )
-        )
+    print(f"cost model fitted on {cm.device} ({cm.unit}; per compression code):")
+    for line in cm.describe():
+        print(f"  {line}")
     status = 0
     policies = {}
     checks = {}

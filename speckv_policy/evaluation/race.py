@@ -27,7 +27,10 @@ rotates from prompt to prompt so no arm always runs first):
   constants, not tuned on the prompts here);
 * ``mlp16``: the published MLP16 recipe (tokens-per-step objective; draft 8, keep gamma);
 * ours: ``{mlp,gbt,table}-upfront``, ``{mlp,gbt,table}-pertoken`` and ``{mlp,gbt,table}-backoff`` (upfront
-  with ``probe_backoff=8``: after a probe that ends in gamma 0, skip probing for 1, 2, 4, 8 steps) from ``exported/``.
+  with ``probe_backoff=8``: after a probe that ends in gamma 0, skip probing for 1, 2, 4, 8 steps) from ``exported/``,
+  priced as shipped; ``{mlp,gbt,table}-repriced``: the same exports re-priced by a calibration of the machine the race
+  runs on (``speckv-calibrate``, run first, as a user would); ``{mlp,gbt,table}-live``: re-priced after every step
+  from live estimates of draft and verify times (``attach(..., costs="live")``, kept across the prompts of a block).
 
 Every greedy output is compared with the target's own greedy output for the same prompt;
 any difference is reported (and makes the exit status 1). Results: medians of time per output
@@ -74,9 +77,17 @@ class ArmSpec:
     mode: str | None = None
     group: str = "baseline"
     backoff: int = 0
+    costs: Any = None  # attach(..., costs=): a calibration file or CostModel (re-priced), "live", or None
 
 
-def make_arms(policy_dir: Path, prefix: str, names: list[str] | None) -> list[ArmSpec]:
+def make_arms(policy_dir: Path, prefix: str, names: list[str] | None, costs: Any = None) -> list[ArmSpec]:
+    """Every arm of the race; ``costs`` (a calibration of this machine) adds the ``*-repriced`` arms.
+
+    Raises
+    ------
+    SystemExit
+        For an unknown arm name or a missing policy file.
+    """
     off = {"num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
     arms = [ArmSpec("target", assistant=False)]
     arms += [ArmSpec(f"fixed-{g}", hf={**off, "num_assistant_tokens": g}, group="fixed") for g in (2, 4, 6, 8)]
@@ -112,6 +123,21 @@ def make_arms(policy_dir: Path, prefix: str, names: list[str] | None) -> list[Ar
                 mode="upfront",
                 group="ours",
                 backoff=BACKOFF,
+            )
+        )
+        if costs is not None:  # the shipped export, re-priced by a calibration of this machine
+            arms.append(
+                ArmSpec(
+                    f"{kind}-repriced",
+                    policy=policy_dir / f"{prefix}{kind}.onnx",
+                    mode="upfront",
+                    group="ours",
+                    costs=costs,
+                )
+            )
+        arms.append(
+            ArmSpec(
+                f"{kind}-live", policy=policy_dir / f"{prefix}{kind}.onnx", mode="upfront", group="ours", costs="live"
             )
         )
     if names:
@@ -234,6 +260,16 @@ def markdown(result: dict[str, Any]) -> str:
         "the reference (x target = speed-up over the target alone).",
         "",
     ]
+    cal = result.get("calibration")
+    if cal and cal.get("describe"):
+        lines += [
+            f"Cost model of this machine, measured first (`speckv-calibrate`, {cal['seconds']:.0f} s, "
+            f"{cal['steps']} steps; `*-repriced` arms decide with it, ms per compression code):",
+            "",
+        ]
+        lines += [f"- {d}" for d in cal["describe"]] + [""]
+    elif cal and cal.get("file"):
+        lines += [f"`*-repriced` arms decide with the calibration in `{cal['file']}`.", ""]
     for key, cell in result["summary"].items():
         comp, dec, task = key.split("/")
         if task != "all":

@@ -9,5 +9,14 @@ hook was tested on (:mod:`speckv_policy.hf._compat`).
 """
 
 from .hook import MODES, SpeckvCandidateGenerator, SpeckvHandle, StepStats, attach, detect_compression
+from .live_costs import LiveCosts
 
-__all__ = ["attach", "detect_compression", "SpeckvHandle", "SpeckvCandidateGenerator", "StepStats", "MODES"]
+__all__ = [
+    "attach",
+    "detect_compression",
+    "LiveCosts",
+    "SpeckvHandle",
+    "SpeckvCandidateGenerator",
+    "StepStats",
+    "MODES",
+]

@@ -49,10 +49,11 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from ..features import OnlineFeatureState, draft_token_stats_from_logits, paper_features
-from ..runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, RuntimePolicy
-from ..schema import COMPRESSIONS, ONLINE, PAPER, FeatureSet, get_feature_set
+from ..runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
+from ..schema import COMPRESSIONS, ONLINE, PAPER, FeatureSet, compression_code, get_feature_set
 from . import _compat
 from ._compat import AssistedCandidateGenerator
+from .live_costs import LiveCosts
 
 MODES = ("upfront", "per-token", "truncate", "fixed")
 DEFAULT_MAX_GAMMA = 8
@@ -110,12 +111,22 @@ class StepStats:
 class _Decider:
     """Wraps any policy into ``decide(features) -> int`` that never raises."""
 
-    def __init__(self, policy: Any, feature_set: FeatureSet | None, max_gamma: int | None, fallback_gamma: int) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        feature_set: FeatureSet | None,
+        max_gamma: int | None,
+        fallback_gamma: int,
+        own_runtime: bool = False,
+    ) -> None:
         self.fallback_gamma = int(fallback_gamma)
         self.warned = False
         self.fallbacks = 0
         self.source = policy
         self.load_error: Exception | None = None
+        self.runtime: RuntimePolicy | None = None
+        if isinstance(policy, RuntimePolicy) and own_runtime and policy.load_error is None:
+            policy = policy.path  # a private copy to re-price: the caller's object stays as it is
         if isinstance(policy, (str, os.PathLike)):
             try:  # load strictly: failures must go through this decider's one warning and its count
                 policy = RuntimePolicy(policy)
@@ -134,6 +145,7 @@ class _Decider:
             self.feature_set = policy.feature_set or feature_set
             cands = policy.candidates
             self._fn = policy.decide
+            self.runtime = policy
         elif hasattr(policy, "predict") and hasattr(policy, "candidates_"):
             self.feature_set = get_feature_set(policy.feature_set_) if policy.feature_set_ else feature_set
             cands = policy.candidates_
@@ -205,6 +217,7 @@ class _Controller:
         self._plan = 0
         self._device: torch.device | None = None
         self.probe_backoff = 0
+        self.live: LiveCosts | None = None
         self._skip = 0  # plain steps left before the next probe
         self._backoff = 0  # current back-off length
 
@@ -300,6 +313,11 @@ class _Controller:
         assert self.state is not None
         self.state.update(cur.gamma, cur.accepted)
         self.stats.append(cur)
+        if self.live is not None and self.decider is not None and self.decider.runtime is not None:
+            self.live.observe(cur.drafted, cur.draft_ms, cur.gamma, cur.verify_ms)
+            self.decider.runtime.set_step_times(
+                self.live.table(self.decider.runtime.candidates), unit=self.live.prior.unit if self.live.prior else "ms"
+            )
         self.current = None
         self.step += 1
 
@@ -399,6 +417,17 @@ class SpeckvHandle:
     def stats(self) -> list[StepStats]:
         return self._controller.stats
 
+    @property
+    def live_costs(self) -> LiveCosts | None:
+        """The running cost estimates of ``attach(..., costs='live')`` (None otherwise)."""
+        return self._controller.live
+
+    @property
+    def runtime(self) -> RuntimePolicy | None:
+        """The exported policy that decides (a private copy when ``costs=`` re-prices it), if any."""
+        dec = self._controller.decider
+        return dec.runtime if dec is not None else None
+
     def reset_stats(self) -> None:
         """Forget the recorded steps."""
         self._controller.stats.clear()
@@ -439,6 +468,40 @@ class SpeckvHandle:
         self.detach()
 
 
+def _price(decider: _Decider | None, costs: Any, compression: str, mode: str) -> LiveCosts | None:
+    """Apply ``attach(..., costs=...)``: re-price the decider's export now, or return the live estimator."""
+    if decider is None:
+        raise ValueError("costs= prices a policy's decisions; mode='fixed' has no policy")
+    rt = decider.runtime
+    if rt is None:
+        if decider.load_error is not None:
+            return None  # every step falls back anyway
+        raise ValueError(
+            "costs= needs an ONNX export (a path or a RuntimePolicy): it re-prices the export's "
+            "expected tokens per candidate"
+        )
+    if not rt.repriceable:
+        raise ValueError(
+            f"{rt.path} maximises {rt.metadata.get('speckv.objective')}: costs= cannot change its decisions"
+        )
+    if isinstance(costs, str) and costs == "live":
+        costs = LiveCosts()
+    if isinstance(costs, LiveCosts):
+        if rt.cost_model is None:
+            raise ValueError(f"{rt.path} carries no cost model to start live costs from; give LiveCosts(prior=...)")
+        try:
+            costs.start(rt.cost_model, compression_code(compression))
+            rt.set_step_times(costs.table(rt.candidates), unit=costs.prior.unit if costs.prior else "ms")
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"costs=LiveCosts(prior=...): {exc}") from None
+        return costs
+    try:
+        rt.reprice(costs)
+    except PolicyLoadError as exc:
+        raise ValueError(str(exc)) from None
+    return None
+
+
 def attach(
     target: Any,
     policy: Any = None,
@@ -452,6 +515,7 @@ def attach(
     record_tokens: bool = False,
     sync_cuda: bool = True,
     probe_backoff: int = 0,
+    costs: Any = None,
 ) -> SpeckvHandle:
     """Make ``target.generate(..., assistant_model=draft)`` consult a gamma policy.
 
@@ -487,6 +551,15 @@ def attach(
         ``b`` steps plain target steps without a probe, ``b`` doubling (1, 2,
         4, ... up to ``B``) while probes keep ending in 0 and resetting once one
         drafts. Lossless like every gamma-0 step; 0 switches it off.
+    costs : None, CostModel, dict, path, 'live' or LiveCosts
+        How an exported policy prices its decisions. ``None``: the cost model
+        it was exported with. A cost model (or the JSON ``speckv-calibrate``
+        writes): re-priced for this machine. ``'live'`` (or a
+        :class:`~speckv_policy.hf.live_costs.LiveCosts`, e.g. with a
+        calibration as its prior): re-priced after every step from running
+        estimates of the draft and verification times this generation
+        measures. Needs an ONNX export (a path or a RuntimePolicy, which is
+        then copied, not changed) that maximises tokens per second.
 
     Returns
     -------
@@ -516,7 +589,7 @@ def attach(
         if policy is None:
             raise ValueError(f"mode={mode!r} needs a policy")
         fs = get_feature_set(feature_set) if feature_set else None
-        decider = _Decider(policy, fs, max_gamma, fallback_gamma)
+        decider = _Decider(policy, fs, max_gamma, fallback_gamma, own_runtime=costs is not None)
         want = PAPER if mode == "truncate" else ONLINE
         if decider.feature_set is None and decider.load_error is not None:
             decider.feature_set = want  # unreadable policy file: every step falls back anyway
@@ -531,6 +604,8 @@ def attach(
         raise RuntimeError("a speckv policy is already attached to this model; detach() it first")
     controller = _Controller(decider, mode, compression, gamma_fn, record_tokens, sync_cuda)
     controller.probe_backoff = int(probe_backoff)
+    if costs is not None:
+        controller.live = _price(decider, costs, compression, mode)
     original = _compat.default_candidate_generator(target)
 
     def _get_candidate_generator(

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from ..evaluation.race import HF_FIELDS, NEAR_TIE, ArmSpec, goals, summarize_runs
 from ..prompts import Prompt, encode_prompt
 from .hook import attach
+from .live_costs import LiveCosts
 from .models import LOCAL_MODELS, ModelSource
 
 
@@ -65,6 +66,9 @@ def run_once(
             setattr(draft.generation_config, k, state.get(k, arm.hf.get(k, getattr(draft.generation_config, k))))
     torch.manual_seed(seed)
     handle = None
+    costs = arm.costs
+    if isinstance(costs, str) and costs == "live":
+        costs = state.setdefault("live_costs", LiveCosts())  # estimates carry over, as a server's would
     if arm.policy is not None:
         handle = attach(
             target,
@@ -74,6 +78,7 @@ def run_once(
             max_gamma=8,
             feature_set="online" if callable(arm.policy) else None,
             probe_backoff=arm.backoff,
+            costs=costs,
         )
     try:
         t0 = stopwatch()

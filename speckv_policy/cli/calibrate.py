@@ -1,0 +1,90 @@
+"""``speckv-calibrate``: measure the cost model of a target/draft pair on this machine (see :mod:`speckv_policy.hf.calibrate`).
+
+speckv-calibrate --out costs.json                    # SmolLM2 + the shipped draft, fp32/INT8/NF4, ~2 minutes
+speckv-export --reprice costs.json exported/smollm2-gbt.onnx gbt-here.onnx
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..objective import COMPRESSION_NAMES_BY_CODE
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="speckv-calibrate", description="Measure draft and verification costs of a model pair on this machine."
+    )
+    p.add_argument("--out", required=True, help="JSON file for the cost model (written atomically)")
+    p.add_argument("--target", default="smollm2", help="target model folder, or 'smollm2' (default)")
+    p.add_argument("--draft", default="datasets/smollm2/draft", help="draft model folder (default: the shipped one)")
+    p.add_argument("--prompts", default="datasets/prompts/prompts.jsonl", help="JSON-lines prompt file")
+    p.add_argument("--compressions", default="fp32,int8,nf4")
+    p.add_argument(
+        "--seconds",
+        type=_positive,
+        default=90.0,
+        help="timing budget over all levels (default 90: about 2 minutes with model loading)",
+    )
+    p.add_argument("--gamma-max", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    from ..hf.calibrate import CalibrationConfig, calibrate
+    from ..prompts import PromptFileError, read_prompts
+    from ..smollm2.models import SMOLLM2_MODELS
+
+    comps = tuple(c.strip() for c in args.compressions.split(",") if c.strip())
+    t0 = time.perf_counter()
+
+    def progress(comp: str, steps: int, seconds: float) -> None:
+        print(f"\r  {comp}: {steps} steps timed in {seconds:.0f} s", end="", file=sys.stderr, flush=True)
+
+    try:
+        if args.gamma_max < 1:
+            raise ValueError(f"--gamma-max must be >= 1, got {args.gamma_max}")
+        prompts = [q for q in read_prompts(args.prompts) if q.split == "train"] or read_prompts(args.prompts)
+        cfg = CalibrationConfig(
+            target=args.target,
+            draft=args.draft,
+            compressions=comps,
+            gamma_max=args.gamma_max,
+            seconds=args.seconds,
+            max_new_tokens=args.max_new_tokens,
+            device=args.device,
+            seed=args.seed,
+        )
+        cost, steps = calibrate(cfg, prompts, models=SMOLLM2_MODELS, progress=progress)
+        print(file=sys.stderr)
+        cost.save(args.out)
+    except (PromptFileError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
+        print(f"\nspeckv-calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"cost model of {args.target} + {args.draft} on {args.device}, {len(steps)} steps timed "
+        f"({time.perf_counter() - t0:.0f} s in all) -> {args.out}"
+    )
+    for line in cost.describe():
+        code = int(line.split(" ", 1)[0])
+        name = COMPRESSION_NAMES_BY_CODE[code]
+        measured = name in comps or (name == "full precision" and set(comps) & {"fp32", "fp16", "bf16"})
+        print(f"  {line}" + ("" if measured else "   [not timed: borrowed from the nearest level timed]"))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

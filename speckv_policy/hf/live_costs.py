@@ -1,0 +1,102 @@
+"""Live step costs: running estimates of draft and verification time from the steps generation just timed.
+
+``attach(target, policy, costs="live")`` (or ``costs=LiveCosts(prior="costs.json")``)
+re-prices an exported policy as it runs. Each finished step reports how many
+tokens the draft produced and how long that took, and how many draft tokens
+the target verified and how long that took. Per count, the estimate is the
+median of the last ``window`` observations, shrunk towards the prior (the
+export's cost model, or a calibration) with ``prior_weight`` pseudo-observations;
+counts not seen yet take the prior scaled by the median ratio observed/prior
+of the counts that were seen. Medians keep one slow step (a page fault, another
+process) from moving a price; the shrinkage keeps three lucky steps from
+moving it much.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..objective import CostModel
+
+__all__ = ["LiveCosts"]
+
+
+class LiveCosts:
+    """Running estimates of one compression level's step costs.
+
+    Parameters
+    ----------
+    prior : CostModel, dict, path or None, default=None
+        Where the estimates start; ``None`` uses the export's own cost model
+        (filled in by :func:`speckv_policy.hf.attach`).
+    window : int, default=64
+        Observations kept per count (draft tokens, verified tokens).
+    prior_weight : float, default=4.0
+        How many observations the prior counts for.
+    """
+
+    def __init__(self, prior: Any = None, *, window: int = 64, prior_weight: float = 4.0) -> None:
+        if not isinstance(window, (int, np.integer)) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if not prior_weight >= 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight!r}")
+        self.prior_source = prior
+        self.window = int(window)
+        self.prior_weight = float(prior_weight)
+        self.prior: CostModel | None = None
+        self.code = 0
+        self._draft: dict[int, deque[float]] = {}
+        self._verify: dict[int, deque[float]] = {}
+        self.observations = 0
+
+    def start(self, prior: CostModel, code: int) -> None:
+        """Begin estimating the costs of compression ``code`` from ``prior``."""
+        self.prior = CostModel.load(self.prior_source) if self.prior_source is not None else prior
+        self.code = int(code)
+
+    def observe(self, drafted: int, draft_ms: float, verified: int, verify_ms: float) -> None:
+        """One finished step: ``drafted`` tokens drafted in ``draft_ms``, ``verified`` draft tokens checked."""
+        if drafted > 0 and np.isfinite(draft_ms) and draft_ms > 0:
+            self._draft.setdefault(int(drafted), deque(maxlen=self.window)).append(float(draft_ms))
+        if verified >= 0 and np.isfinite(verify_ms) and verify_ms > 0:
+            self._verify.setdefault(int(verified), deque(maxlen=self.window)).append(float(verify_ms))
+        self.observations += 1
+
+    def _blend(self, seen: dict[int, deque[float]], prior: dict[int, float], wanted: list[int]) -> dict[int, float]:
+        ratios = [np.median(v) / prior[k] for k, v in seen.items() if k in prior and prior[k] > 0]
+        scale = float(np.median(ratios)) if ratios else 1.0
+        out = {}
+        for k in wanted:
+            base = prior[k] * scale
+            obs = seen.get(k)
+            if obs:
+                n = len(obs)
+                out[k] = (n * float(np.median(obs)) + self.prior_weight * base) / (n + self.prior_weight)
+            else:
+                out[k] = base
+        return out
+
+    def step_ms(self, candidates: np.ndarray) -> np.ndarray:
+        """Estimated step time of each candidate gamma at this level (the prior's probe rule included)."""
+        if self.prior is None:
+            raise RuntimeError("LiveCosts.start() was not called")
+        cm, c = self.prior, self.code
+        cands = [int(g) for g in candidates]
+        ks = sorted({max(g, cm.decision_draft_tokens) for g in cands} - {0})
+        top = max(cands + ks + list(self._draft) + list(self._verify)) + 1
+        prior_draft = {k: float(cm.draft_ms(k, c)) for k in range(1, top)}
+        prior_verify = {g: float(cm.verify_ms(g, c)) for g in range(top)}
+        draft = self._blend(self._draft, prior_draft, ks)
+        verify = self._blend(self._verify, prior_verify, sorted(set(cands)))
+        return np.array([cm.overhead_ms + draft.get(max(g, cm.decision_draft_tokens), 0.0) + verify[g] for g in cands])
+
+    def table(self, candidates: np.ndarray) -> np.ndarray:
+        """``(3, G)`` step times for :meth:`RuntimePolicy.set_step_times`: the prior's, with this level live."""
+        if self.prior is None:
+            raise RuntimeError("LiveCosts.start() was not called")
+        t = self.prior.time_table(candidates).astype(np.float64)
+        t[self.code] = self.step_ms(candidates)
+        return t
