@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         n_resamples=args.bootstrap,
     )
     ov, boot = res["groups"]["overall"]["arms"], res["bootstrap"]["overall"]
-    print(f"\n2. SIMULATED GPU regime (not measured): {args.export} under")
+    shown = Path(args.export).resolve()
+    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown
+    print(f"\n2. SIMULATED GPU regime (not measured): {shown} under")
     for line in G.describe():
         print(f"     {line}")
     print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,18 @@ def _plain_file_mode(existing: Path) -> int:
     return 0o666 & ~umask
 
 
+def _refuse_non_regular(path: Path, want_dir: bool = False) -> None:
+    """A write never replaces a device, a socket, a link or a folder (a file for folders) with anything."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    ok = stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)
+    if not ok:
+        kind = "folder" if want_dir else "regular file"
+        raise ValueError(f"{path} exists and is not a {kind}; refusing to replace it")
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
     """Call ``write(tmp_path)``, then rename ``tmp_path`` over ``path``.
 
@@ -38,12 +51,19 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -
         Receives the temporary file's path (a ``str``, the file exists and is
         empty) and writes the complete content there.
 
+    Raises
+    ------
+    ValueError
+        If ``path`` exists and is not a regular file (a device, a folder, a
+        link): nothing is written.
+
     Notes
     -----
     The temporary name ends in ``.tmp``: a writer that infers a format from the
     suffix (matplotlib) must be told the format.
     """
     path = Path(path)
+    _refuse_non_regular(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -70,6 +90,7 @@ def atomic_write_dir(path: str | os.PathLike[str], write: Callable[[Path], objec
     new folder under its temporary name and no half-written one at ``path``.
     """
     path = Path(path)
+    _refuse_non_regular(path, want_dir=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

@@ -1,4 +1,8 @@
-"""ONNX export of a policy's whole decision.
+"""ONNX export of a policy's whole decision, through skl2onnx.
+
+Importing this module registers every policy with skl2onnx
+(:func:`register_skl2onnx`), so ``skl2onnx.to_onnx(policy, X)`` and a
+``Pipeline`` ending in a policy convert; :func:`export_onnx` builds on that.
 
 Graph: input ``features`` float32 ``[N, F]`` -> outputs ``gamma`` int64 ``[N]``,
 ``values`` float32 ``[N, G]`` (the objective per candidate, what the argmax
@@ -65,18 +69,46 @@ class _Graph:
         n = self.op("Slice", self.op("Shape", x), self.const([0], np.int64), self.const([1], np.int64))
         return self.op("Concat", n, self.const(tail, np.int64), axis=0)
 
-    def inline(self, sub: onnx.ModelProto, inputs: dict[str, str], prefix: str) -> dict[str, str]:
-        """Copy ``sub``'s nodes in, wiring its inputs; returns its outputs' new names."""
-        sub = onnx.compose.add_prefix(sub, prefix)
-        rename = {prefix + k: v for k, v in inputs.items()}
-        for node in sub.graph.node:
-            node.input[:] = [rename.get(i, i) for i in node.input]
-            self.nodes.append(node)
-        self.inits.extend(sub.graph.initializer)
-        for imp in sub.opset_import:
-            if imp.domain not in ("", "ai.onnx"):
-                self.opsets[imp.domain] = max(self.opsets.get(imp.domain, 0), imp.version)
-        return {o.name[len(prefix) :]: o.name for o in sub.graph.output}
+    def sub_estimator(self, model: Any, x: str, n_features: int) -> str:
+        """Class probabilities ``[N, 2]`` of a fitted scikit-learn classifier on ``x`` (its own converter)."""
+        raise NotImplementedError("only a skl2onnx converter graph can call sub-estimators")
+
+
+class _ConverterGraph(_Graph):
+    """:class:`_Graph` writing into a skl2onnx converter's scope and container."""
+
+    def __init__(self, scope: Any, container: Any) -> None:
+        super().__init__()
+        self.scope, self.container = scope, container
+        target = container.target_opset
+        self.opv = target.get("", OPSET) if isinstance(target, dict) else int(target or OPSET)
+
+    def _name(self, base: str) -> str:
+        return self.scope.get_unique_variable_name(base)
+
+    def const(self, value: Any, dtype: Any = np.float32, name: str = "c") -> str:
+        n = self._name(name)
+        self.container.add_initializer(n, None, None, numpy_helper.from_array(np.asarray(value, dtype=dtype), n))
+        return n
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
+        o = out or self._name(op_type.lower())
+        self.container.add_node(
+            op_type, list(inputs), [o], name=self.scope.get_unique_operator_name(op_type), op_version=self.opv, **attrs
+        )
+        return o
+
+    def sub_estimator(self, model: Any, x: str, n_features: int) -> str:
+        from skl2onnx.algebra.onnx_operator import OnnxSubEstimator
+        from skl2onnx.algebra.onnx_ops import OnnxIdentity
+        from skl2onnx.common.data_types import FloatTensorType
+
+        out = self._name("probabilities")
+        sub = OnnxSubEstimator(
+            model, x, op_version=self.opv, options={"zipmap": False}, input_types=[FloatTensorType([None, n_features])]
+        )
+        OnnxIdentity(sub[1], op_version=self.opv, output_names=[out]).add_to(self.scope, self.container)
+        return out
 
 
 def _tokens_from_survival(g: _Graph, surv: str, candidates: np.ndarray) -> str:
@@ -106,19 +138,10 @@ def _gbt_tokens(g: _Graph, p: GBTPolicy, x: str) -> str:
         row = np.full((1, K), np.log(max(p.constant_hazard_, HAZARD_FLOOR)))
         log_h = g.op("Tile", g.const(row), g.batch_repeats(x, [1]))
     else:
-        from skl2onnx import to_onnx
-
-        sub = to_onnx(
-            p.model_,
-            np.zeros((1, F + 1), np.float32),
-            target_opset={"": OPSET, "ai.onnx.ml": 3},
-            options={"zipmap": False},
-        )
         rep = g.op("Tile", g.op("Unsqueeze", x, g.const([1], np.int64)), g.const([1, K, 1], np.int64))
         pos = g.op("Tile", g.const(np.arange(1, K + 1).reshape(1, K, 1)), g.batch_repeats(x, [1, 1]))
         flat = g.op("Reshape", g.op("Concat", rep, pos, axis=2), g.const([-1, F + 1], np.int64))
-        outs = g.inline(sub, {sub.graph.input[0].name: flat}, prefix="hgb_")
-        prob = g.op("Gather", outs["probabilities"], g.const(1, np.int64), axis=1)
+        prob = g.op("Gather", g.sub_estimator(p.model_, flat, F + 1), g.const(1, np.int64), axis=1)
         h = g.op("Clip", g.op("Reshape", prob, g.const([-1, K], np.int64)), g.const(HAZARD_FLOOR), g.const(1.0))
         log_h = g.op("Log", h)
     return _tokens_from_survival(g, _survival_from_log_hazard(g, log_h), p.candidates_)
@@ -170,22 +193,117 @@ _BUILDERS: dict[type, Callable[[_Graph, Any, str], str]] = {
 }
 
 
-def _decision(g: _Graph, tokens: str, feature_set: str, candidates: np.ndarray, objective: str, cm: CostModel) -> None:
-    """``values`` and ``gamma`` from the expected tokens per candidate: the objective and its argmax.
+def _decision(
+    g: _Graph,
+    tokens: str,
+    feature_set: str,
+    candidates: np.ndarray,
+    objective: str,
+    cm: CostModel,
+    *,
+    x: str = INPUT_NAME,
+    outputs: tuple[str, str, str] = OUTPUT_NAMES,
+) -> None:
+    """``gamma``, ``values`` and ``expected_tokens`` outputs from the expected tokens per candidate.
 
-    ``tokens`` names the expected-tokens tensor; unless it is the graph output
-    ``expected_tokens`` already, that output is added here.
+    ``values`` is the objective per candidate (tokens/s under ``cm``, or tokens
+    per step), ``gamma`` its argmax. ``outputs`` names the three outputs;
+    ``tokens`` may already be the expected-tokens output.
     """
-    step_time = g.op("Gather", g.const(cm.time_table(candidates)), _codes_of(g, feature_set, INPUT_NAME), axis=0)
+    gamma, values, expected = outputs
+    step_time = g.op("Gather", g.const(cm.time_table(candidates)), _codes_of(g, feature_set, x), axis=0)
     if objective == "tokens_per_step":
-        values = g.op("Identity", tokens, out="values")
+        val = g.op("Identity", tokens, out=values)
     else:
         scale = per_second_scale(cm.unit)
-        values = g.op("Mul", g.op("Div", tokens, step_time), g.const(scale), out="values")
-    if tokens != "expected_tokens":
-        g.op("Identity", tokens, out="expected_tokens")
-    best = g.op("ArgMax", values, axis=1, keepdims=0)
-    g.op("Gather", g.const(candidates, np.int64), best, axis=0, out="gamma")
+        val = g.op("Mul", g.op("Div", tokens, step_time), g.const(scale), out=values)
+    if tokens != expected:
+        g.op("Identity", tokens, out=expected)
+    best = g.op("ArgMax", val, axis=1, keepdims=0)
+    g.op("Gather", g.const(candidates, np.int64), best, axis=0, out=gamma)
+
+
+# -- skl2onnx registration: every policy converts with skl2onnx.to_onnx, alone or at the end of a Pipeline --
+_REGISTERED = False
+
+
+def _builder(policy: Any) -> Callable[[_Graph, Any, str], str]:
+    builder = next((b for cls, b in _BUILDERS.items() if type(policy) is cls), None)
+    if builder is None:
+        raise ValueError(
+            f"no ONNX converter for {type(policy).__name__}; export supports "
+            + ", ".join(c.__name__ for c in _BUILDERS)
+        )
+    return builder
+
+
+def _skl2onnx_parser(scope: Any, model: Any, inputs: list, custom_parsers: Any = None) -> list:
+    from skl2onnx import get_model_alias
+    from skl2onnx.common.data_types import FloatTensorType, Int64TensorType
+
+    op = scope.declare_local_operator(get_model_alias(type(model)), model)
+    op.inputs = inputs
+    G = len(model.candidates_)
+    op.outputs.append(scope.declare_local_variable("gamma", Int64TensorType([None])))
+    op.outputs.append(scope.declare_local_variable("values", FloatTensorType([None, G])))
+    op.outputs.append(scope.declare_local_variable("expected_tokens", FloatTensorType([None, G])))
+    return op.outputs
+
+
+def _skl2onnx_shape(operator: Any) -> None:
+    from skl2onnx.common.data_types import FloatTensorType, Int64TensorType
+
+    G = len(operator.raw_operator.candidates_)
+    gamma, values, expected = operator.outputs
+    gamma.type = Int64TensorType([None])
+    values.type = FloatTensorType([None, G])
+    expected.type = FloatTensorType([None, G])
+
+
+def _skl2onnx_convert(scope: Any, operator: Any, container: Any) -> None:
+    from skl2onnx.common.data_types import FloatTensorType
+
+    policy = operator.raw_operator
+    check_is_fitted(policy)
+    if policy.feature_set_ is None:
+        raise ValueError("ONNX conversion needs a policy fitted with a named feature_set ('online' or 'paper')")
+    g = _ConverterGraph(scope, container)
+    x = operator.inputs[0].full_name
+    if not isinstance(operator.inputs[0].type, FloatTensorType):  # decisions are made on float32 features
+        x = g.op("Cast", x, to=TensorProto.FLOAT)
+    tokens = _builder(policy)(g, policy, x)
+    _decision(
+        g,
+        tokens,
+        policy.feature_set_,
+        policy.candidates_,
+        policy.objective,
+        policy.cost_model_,
+        x=x,
+        outputs=tuple(o.full_name for o in operator.outputs),
+    )
+
+
+def register_skl2onnx() -> None:
+    """Register every speckv policy with skl2onnx (idempotent; importing this module does it).
+
+    Then ``skl2onnx.to_onnx(policy, X)`` converts a fitted policy, and a
+    scikit-learn ``Pipeline`` that ends in one converts as a whole: outputs
+    ``gamma`` (int64 ``[N]``), ``values`` and ``expected_tokens`` (float32
+    ``[N, G]``). Sub-models (the GBT policy's booster) go through their own
+    skl2onnx converters. :func:`export_onnx` adds the ``speckv.*`` metadata
+    the runtime checks.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from skl2onnx import update_registered_converter
+
+    for cls in _BUILDERS:
+        update_registered_converter(
+            cls, f"Speckv{cls.__name__}", _skl2onnx_shape, _skl2onnx_convert, parser=_skl2onnx_parser, overwrite=True
+        )
+    _REGISTERED = True
 
 
 def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
@@ -211,43 +329,38 @@ def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
 def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
     """Build (without saving) the ONNX model of a fitted policy's decision.
 
+    The graph comes from the policy's skl2onnx converter
+    (:func:`register_skl2onnx`); this adds the input name ``features``, the
+    ``speckv.*`` metadata and the full ONNX check.
+
     Raises
     ------
     ValueError
-        If the policy has no named feature set or no registered builder.
+        If the policy has no named feature set or no converter.
     """
+    from skl2onnx import to_onnx
+    from skl2onnx.common.data_types import FloatTensorType, Int64TensorType
+
     check_is_fitted(policy)
     if policy.feature_set_ is None:
         raise ValueError("export needs a policy fitted with a named feature_set ('online' or 'paper')")
-    builder = next((b for cls, b in _BUILDERS.items() if type(policy) is cls), None)
-    if builder is None:
-        raise ValueError(
-            f"no ONNX builder for {type(policy).__name__}; export supports MLPPolicy, GBTPolicy, TablePolicy, FixedGammaPolicy and PaperMLP16Policy"
-        )
-    g = _Graph()
-    F = policy.n_features_in_
-    x = INPUT_NAME
-    tokens = builder(g, policy, x)
-    _decision(g, tokens, policy.feature_set_, policy.candidates_, policy.objective, policy.cost_model_)
-    G = len(policy.candidates_)
-    graph = helper.make_graph(
-        g.nodes,
-        f"speckv_{type(policy).__name__}",
-        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["N", F])],
-        [
-            helper.make_tensor_value_info("gamma", TensorProto.INT64, ["N"]),
-            helper.make_tensor_value_info("values", TensorProto.FLOAT, ["N", G]),
-            helper.make_tensor_value_info("expected_tokens", TensorProto.FLOAT, ["N", G]),
+    _builder(policy)
+    register_skl2onnx()
+    F, G = policy.n_features_in_, len(policy.candidates_)
+    model = to_onnx(
+        policy,
+        initial_types=[(INPUT_NAME, FloatTensorType([None, F]))],
+        final_types=[
+            ("gamma", Int64TensorType([None])),
+            ("values", FloatTensorType([None, G])),
+            ("expected_tokens", FloatTensorType([None, G])),
         ],
-        initializer=g.inits,
+        target_opset={"": OPSET, "ai.onnx.ml": 3},
     )
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid(d, v) for d, v in g.opsets.items()],
-        producer_name="speckv-policy",
-        producer_version=__version__,
-    )
+    model.graph.name = f"speckv_{type(policy).__name__}"
+    model.producer_name, model.producer_version = "speckv-policy", __version__
     model.ir_version = min(model.ir_version, 10)
+    del model.metadata_props[:]
     helper.set_model_props(model, policy_metadata(policy))
     onnx.checker.check_model(model, full_check=True)
     return model
@@ -256,12 +369,27 @@ def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
 def export_onnx(policy: GammaPolicy, path: str | os.PathLike[str]) -> onnx.ModelProto:
     """Export a fitted policy to ``path`` atomically (temp file, then rename).
 
-    The model passes ``onnx.checker.check_model(full_check=True)`` before it
-    replaces anything at ``path``.
+    The model passes ``onnx.checker.check_model(full_check=True)`` and, where
+    onnxruntime is installed, loads and decides on a feature row in it, before
+    it replaces anything at ``path``: a bad export never replaces a good one.
     """
     model = build_onnx(policy)
+    _check_runs(model, policy.n_features_in_)
     write_onnx(model, path)
     return model
+
+
+def _check_runs(model: onnx.ModelProto, n_features: int) -> None:
+    """Load ``model`` in onnxruntime (when installed) and decide on one row; ValueError if it cannot."""
+    try:
+        import onnxruntime as ort
+    except ImportError:  # the training extra without a runtime: the ONNX checker has run
+        return
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        sess.run(["gamma"], {INPUT_NAME: np.zeros((1, n_features), np.float32)})
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ValueError(f"the exported model does not run in onnxruntime ({exc}); nothing was written") from None
 
 
 def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelProto:
@@ -337,3 +465,6 @@ def write_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
             fh.write(data)
 
     atomic_write(path, write)
+
+
+register_skl2onnx()

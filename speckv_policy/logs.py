@@ -9,9 +9,10 @@ never leaves a half-written log in place of a good one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -230,14 +231,34 @@ def append_log(path: str | os.PathLike[str], rows: pd.DataFrame | Iterable[Mappi
     """
     new = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     path = Path(path)
-    meta: dict[str, str] = {}
-    if path.exists():
-        old = read_log(path)
-        meta = {
-            k.removeprefix("speckv."): v for k, v in _file_metadata(path).items() if k != "speckv.log_schema_version"
-        }
-        new = pd.concat([old, validate_log(new, source=f"{path} (appended rows)")], ignore_index=True)
-    return write_log(new, path, metadata=meta)
+    with _append_lock(path):  # two processes appending to one log: one at a time, so no unit is lost
+        meta: dict[str, str] = {}
+        if path.exists():
+            old = read_log(path)
+            meta = {
+                k.removeprefix("speckv."): v
+                for k, v in _file_metadata(path).items()
+                if k != "speckv.log_schema_version"
+            }
+            new = pd.concat([old, validate_log(new, source=f"{path} (appended rows)")], ignore_index=True)
+        return write_log(new, path, metadata=meta)
+
+
+@contextlib.contextmanager
+def _append_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path``'s sibling ``.NAME.lock`` (POSIX ``flock``; none elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _file_metadata(path: Path) -> dict[str, str]:

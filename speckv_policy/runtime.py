@@ -27,6 +27,7 @@ from .schema import COMPRESSION_CODES, FEATURE_SETS, N_COMPRESSION_CODES, Featur
 
 #: What a caller who wants fallbacks is advised to use: HF's classic fixed length.
 DEFAULT_FALLBACK_GAMMA = 4
+MAX_FALLBACK_GAMMA = 32
 SUPPORTED_FORMAT_VERSION = 1
 
 
@@ -115,8 +116,14 @@ class RuntimePolicy:
         intra_op_num_threads: int = 1,
         cost_model: Any = None,
     ) -> None:
-        if fallback_gamma is not None and (not isinstance(fallback_gamma, (int, np.integer)) or fallback_gamma < 0):
-            raise ValueError(f"fallback_gamma must be a non-negative int or None, got {fallback_gamma!r}")
+        if fallback_gamma is not None and (
+            isinstance(fallback_gamma, bool)
+            or not isinstance(fallback_gamma, (int, np.integer))
+            or not 0 <= fallback_gamma <= MAX_FALLBACK_GAMMA
+        ):
+            raise ValueError(
+                f"fallback_gamma must be an int in 0..{MAX_FALLBACK_GAMMA} or None, got {fallback_gamma!r}"
+            )
         self.path = os.fspath(path)
         self.fallback_gamma = None if fallback_gamma is None else int(fallback_gamma)
         self._warned = False
@@ -132,6 +139,7 @@ class RuntimePolicy:
         self._times: np.ndarray | None = None  # float32 (3, G) step times when re-priced
         self._scale = np.float32(1.0)
         self._code_index = 0
+        self._candidate_set: frozenset[int] = frozenset()
         try:
             self._load(providers, intra_op_num_threads)
             if cost_model is not None:
@@ -238,7 +246,14 @@ class RuntimePolicy:
         missing = [k for k in need if k not in m]
         if missing:
             raise PolicyLoadError(f"{self.path}: not a speckv-policy export (metadata lacks {', '.join(missing)})")
-        if int(m["speckv.format_version"]) > SUPPORTED_FORMAT_VERSION:
+        try:
+            fmt = int(m["speckv.format_version"])
+            json.loads(m["speckv.feature_names"])
+            json.loads(m["speckv.candidates"])
+            int(m["speckv.feature_schema_version"])
+        except (ValueError, TypeError) as exc:
+            raise PolicyLoadError(f"{self.path}: malformed speckv metadata ({exc})") from None
+        if fmt > SUPPORTED_FORMAT_VERSION:
             raise PolicyLoadError(
                 f"{self.path}: export format {m['speckv.format_version']} is newer than this runtime "
                 f"supports ({SUPPORTED_FORMAT_VERSION}); upgrade speckv-policy"
@@ -262,8 +277,14 @@ class RuntimePolicy:
                 f"{self.path}: compression codes {codes} differ from this package's {COMPRESSION_CODES}"
             )
         self.feature_set = fs
-        self.candidates = np.asarray(json.loads(m["speckv.candidates"]), dtype=np.int64)
+        try:
+            self.candidates = np.asarray(json.loads(m["speckv.candidates"]), dtype=np.int64).reshape(-1)
+        except (ValueError, TypeError) as exc:
+            raise PolicyLoadError(f"{self.path}: malformed speckv.candidates ({exc})") from None
+        if self.candidates.size == 0 or (self.candidates < 0).any():
+            raise PolicyLoadError(f"{self.path}: speckv.candidates must be gammas >= 0, got {m['speckv.candidates']}")
         self._code_index = fs.index("compression_code")
+        self._candidate_set = frozenset(int(c) for c in self.candidates)
         if "speckv.cost_model" in m:
             try:
                 self.cost_model = CostModel.from_dict(json.loads(m["speckv.cost_model"]))
@@ -319,7 +340,12 @@ class RuntimePolicy:
             if self._times is not None:
                 e = self._session.run(["expected_tokens"], {"features": x})[0]
                 return int(self._priced(e, x)[0][0])
-            return int(self._session.run(["gamma"], {"features": x})[0][0])
+            g = int(self._session.run(["gamma"], {"features": x})[0][0])
+            if g not in self._candidate_set:
+                raise PolicyLoadError(
+                    f"{self.path}: the model returned gamma {g}, not one of its candidates {self.candidates.tolist()}"
+                )
+            return g
         except Exception as exc:
             if self.fallback_gamma is None:
                 raise

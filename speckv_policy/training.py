@@ -70,12 +70,34 @@ def save_policy(policy: GammaPolicy, path: str | os.PathLike[str]) -> None:
     atomic_write(path, lambda tmp: joblib.dump(policy, tmp))
 
 
-def load_saved_policy(path: str | os.PathLike[str]) -> GammaPolicy:
-    """Load a joblib-saved policy, checking that it is a fitted GammaPolicy."""
+class UntrustedFileError(ValueError):
+    """Loading this file could run code it carries; the caller did not say it trusts it."""
+
+
+def load_saved_policy(path: str | os.PathLike[str], *, trusted: bool = False) -> GammaPolicy:
+    """Load a joblib-saved policy, checking that it is a fitted GammaPolicy.
+
+    A joblib file is a pickle: loading one runs whatever code it carries. So
+    this refuses unless ``trusted=True`` (``--trust-pickle`` on the command
+    line): load only files you made or trust. To hand a policy to someone,
+    give them its ONNX export, which is data.
+
+    Raises
+    ------
+    UntrustedFileError
+        Without ``trusted=True`` (nothing is read).
+    FileNotFoundError, ValueError
+        A missing file, or one that does not hold a fitted speckv policy.
+    """
     from sklearn.utils.validation import check_is_fitted
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"saved policy not found: {path}")
+    if not trusted:
+        raise UntrustedFileError(
+            f"{path}: a joblib file is a pickle, and loading one runs any code it carries; load only a file you "
+            "made or trust (--trust-pickle, or trusted=True), or hand policies over as ONNX exports"
+        )
     try:
         obj = joblib.load(path)
     except Exception as exc:

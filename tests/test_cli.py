@@ -68,7 +68,7 @@ def test_export_saved_policy_and_options(log_path, tmp_path, capsys):
         == 0
     )
     second = tmp_path / "b.onnx"
-    assert export_cli.main([str(second), "--policy", str(saved)]) == 0
+    assert export_cli.main([str(second), "--policy", str(saved), "--trust-pickle"]) == 0
     meta = RuntimePolicy(second).metadata
     assert json.loads(meta["speckv.candidates"]) == [0, 1, 2, 4]
     assert meta["speckv.objective"] == "tokens_per_step"
@@ -83,7 +83,7 @@ def test_export_errors(log_path, tmp_path, capsys):
     assert export_cli.main([str(out), "--policy", str(tmp_path / "missing.joblib")]) == 2
     junk = tmp_path / "junk.joblib"
     joblib.dump({"not": "a policy"}, junk)
-    assert export_cli.main([str(out), "--policy", str(junk)]) == 2
+    assert export_cli.main([str(out), "--policy", str(junk), "--trust-pickle"]) == 2
     assert "not a speckv gamma policy" in capsys.readouterr().err
     bad = tmp_path / "bad.csv"
     bad.write_text("run_id\nr\n")

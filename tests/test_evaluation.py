@@ -190,6 +190,7 @@ def test_speckv_eval_takes_joblib_policies_and_matches_onnx(synthetic, tmp_path,
                 "--bootstrap",
                 "50",
                 "--no-plots",
+                "--trust-pickle",
             ]
         )
         == 0

@@ -365,3 +365,21 @@ def test_costs_errors(pair, fitted, tmp_path):
     with pytest.raises(ValueError, match="cost model file not found: .*nope.json"):
         attach(target, str(tmp_path / "t.onnx"), compression="fp32", costs=tmp_path / "nope.json")
     assert "_get_candidate_generator" not in target.__dict__  # a refused attach leaves the model untouched
+
+
+def test_failing_live_costs_never_break_generation(pair, fitted, tmp_path):
+    from speckv_policy.export import export_onnx
+    from speckv_policy.hf import LiveCosts
+
+    class Broken(LiveCosts):
+        def observe(self, *args, **kwargs):
+            raise FloatingPointError("simulated")
+
+    target, draft = pair
+    ids = torch.tensor([[1, 2, 3]])
+    export_onnx(fitted["gbt"], tmp_path / "g.onnx")
+    with pytest.warns(PolicyFallbackWarning, match="live costs failed") as rec:
+        with attach(target, str(tmp_path / "g.onnx"), compression="fp32", costs=Broken()) as h:
+            out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, _greedy(target, ids, 20))
+    assert len([r for r in rec if r.category is PolicyFallbackWarning]) == 1 and h.live_costs is None

@@ -259,3 +259,33 @@ def test_cost_model_files(exported, tmp_path):
     assert rt.decide(np.zeros(ONLINE.n_features, np.float32)) == 3
     with pytest.raises(ValueError, match="step times must be"):
         RuntimePolicy(path).set_step_times(np.ones((3, 2)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_skl2onnx_converts_policies_and_pipelines(name, fitted, heldout, online_data, paper_data):
+    """`skl2onnx.to_onnx` works on every policy and on a Pipeline ending in one (registered on import)."""
+    import onnxruntime as ort
+    from skl2onnx import to_onnx
+    from sklearn.base import clone
+    from sklearn.impute import SimpleImputer
+    from sklearn.pipeline import make_pipeline
+
+    policy = fitted[name]
+    X, n_edge = _rows(name, heldout)
+    assert X.shape[0] - n_edge >= 1000
+
+    def decisions(model, rows):
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        assert [o.name for o in sess.get_outputs()][0] == "gamma"
+        return sess.run(None, {sess.get_inputs()[0].name: rows})[0]
+
+    model = to_onnx(policy, X[:1], target_opset={"": 18, "ai.onnx.ml": 3})
+    onnx.checker.check_model(model, full_check=True)
+    assert (decisions(model, X) == policy.predict(X)).mean() >= 0.999
+    (Xtr, ytr), _ = paper_data if name == "paper-mlp16" else online_data
+    pipe = make_pipeline(SimpleImputer(), clone(policy)).fit(Xtr.to_numpy(np.float32), ytr)
+    model = to_onnx(pipe, X[:1], target_opset={"": 18, "ai.onnx.ml": 3})
+    assert (decisions(model, X) == pipe.predict(X)).mean() >= 0.999
+    # float64 input is cast to the float32 the policy decides on
+    model64 = to_onnx(policy, X[:1].astype(np.float64), target_opset={"": 18, "ai.onnx.ml": 3})
+    assert (decisions(model64, X.astype(np.float64)) == policy.predict(X)).mean() >= 0.999

@@ -26,7 +26,15 @@ def _load_corpora(paths: str) -> dict:
     merged: dict[str, Any] = {}
     minutes = 0.0
     for path in paths.split(","):
-        c = torch.load(path, weights_only=False)
+        try:  # weights_only: tensors, lists, strings and numbers only; a pickle payload cannot run
+            c = torch.load(path, weights_only=True)
+        except Exception as exc:
+            raise SystemExit(
+                f"speckv-distill: error: {path}: not a speckv-distill corpus ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
+        if not isinstance(c, dict):
+            raise SystemExit(f"speckv-distill: error: {path}: not a speckv-distill corpus (holds a {type(c).__name__})")
         minutes += float(c.pop("minutes", 0) or 0)
         for k, v in c.items():
             merged.setdefault(k, []).extend(v)

@@ -21,8 +21,8 @@ DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 DEFAULT_POLICIES = "exported/smollm2-*.onnx"
 
 
-def load_for_eval(path: str) -> tuple[str, Callable[[Any], np.ndarray]]:
-    """(feature set name, batch choose function) of an ONNX export or a joblib-saved policy."""
+def load_for_eval(path: str, *, trust_pickle: bool = False) -> tuple[str, Callable[[Any], np.ndarray]]:
+    """(feature set name, batch choose function) of an ONNX export or a joblib-saved policy (if trusted)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"policy not found: {path}")
@@ -33,7 +33,7 @@ def load_for_eval(path: str) -> tuple[str, Callable[[Any], np.ndarray]]:
         return rt.feature_set.name, rt.decide_batch  # type: ignore[union-attr]
     from ..training import load_saved_policy
 
-    pol = load_saved_policy(p)
+    pol = load_saved_policy(p, trusted=trust_pickle)
     return pol.feature_set, pol.predict
 
 
@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         help="draft tokens a policy pays before deciding (1: the hook's upfront mode, default)",
     )
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="allow joblib-saved policies: pickles, which run any code they carry (only files you trust)",
+    )
     args = ap.parse_args(argv)
 
     from ..atomic import atomic_write_text
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             name = Path(path).stem
             if name in policies:
                 raise ValueError(f"two policies are named {name!r}; rename one file")
-            policies[name] = load_for_eval(path)
+            policies[name] = load_for_eval(path, trust_pickle=args.trust_pickle)
         cost = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
         result, es = evaluate_log(
             log, policies, policy_cost=cost, max_gamma=args.max_gamma, n_resamples=args.bootstrap, seed=args.seed

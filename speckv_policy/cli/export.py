@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", help="device whose timings to fit when the log has several")
     p.add_argument("--save-policy", metavar="JOBLIB", help="also save the fitted Python policy")
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="allow --policy to load a joblib file: a pickle, which runs any code it carries (only files you trust)",
+    )
     return p
 
 
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            policy = load_saved_policy(args.policy)
+            policy = load_saved_policy(args.policy, trusted=args.trust_pickle)
         model = export_onnx(policy, args.output)
         if args.save_policy:
             save_policy(policy, args.save_policy)

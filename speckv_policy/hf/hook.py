@@ -314,10 +314,19 @@ class _Controller:
         self.state.update(cur.gamma, cur.accepted)
         self.stats.append(cur)
         if self.live is not None and self.decider is not None and self.decider.runtime is not None:
-            self.live.observe(cur.drafted, cur.draft_ms, cur.gamma, cur.verify_ms)
-            self.decider.runtime.set_step_times(
-                self.live.table(self.decider.runtime.candidates), unit=self.live.prior.unit if self.live.prior else "ms"
-            )
+            try:
+                self.live.observe(cur.drafted, cur.draft_ms, cur.gamma, cur.verify_ms)
+                rt = self.decider.runtime
+                rt.set_step_times(
+                    self.live.table(rt.candidates), unit=self.live.prior.unit if self.live.prior else "ms"
+                )
+            except Exception as exc:  # cost estimates must never break generation: keep the last prices
+                self.live = None
+                warnings.warn(
+                    f"speckv live costs failed ({type(exc).__name__}: {exc}); keeping the last prices",
+                    PolicyFallbackWarning,
+                    stacklevel=2,
+                )
         self.current = None
         self.step += 1
 
@@ -509,7 +518,7 @@ def attach(
     compression: str | None = None,
     mode: str = "upfront",
     max_gamma: int | None = None,
-    fallback_gamma: int = DEFAULT_FALLBACK_GAMMA,
+    fallback_gamma: int | None = None,
     feature_set: str | None = None,
     gamma_fn: Callable[[int], int] | None = None,
     record_tokens: bool = False,
@@ -533,8 +542,9 @@ def attach(
         See the module docstring.
     max_gamma : int or None
         Cap on draft tokens per step; default: the policy's largest candidate.
-    fallback_gamma : int, default=4
-        Gamma used, with one warning, when the policy fails or returns nonsense.
+    fallback_gamma : int or None, default=None
+        Gamma used, with one warning, when the policy fails or returns
+        nonsense: 0..max_gamma; ``None`` means 4 (or max_gamma if smaller).
     feature_set : str or None
         Feature set of a callable policy (``online`` or ``paper``).
     gamma_fn : callable or None
@@ -573,6 +583,10 @@ def attach(
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if fallback_gamma is not None and (
+        isinstance(fallback_gamma, bool) or not isinstance(fallback_gamma, (int, np.integer)) or fallback_gamma < 0
+    ):
+        raise ValueError(f"fallback_gamma must be an int >= 0, got {fallback_gamma!r}")
     if not isinstance(probe_backoff, (int, np.integer)) or probe_backoff < 0:
         raise ValueError(f"probe_backoff must be an int >= 0, got {probe_backoff!r}")
     if probe_backoff and mode not in ("upfront", "per-token"):
@@ -589,7 +603,15 @@ def attach(
         if policy is None:
             raise ValueError(f"mode={mode!r} needs a policy")
         fs = get_feature_set(feature_set) if feature_set else None
-        decider = _Decider(policy, fs, max_gamma, fallback_gamma, own_runtime=costs is not None)
+        decider = _Decider(
+            policy,
+            fs,
+            max_gamma,
+            DEFAULT_FALLBACK_GAMMA if fallback_gamma is None else fallback_gamma,
+            own_runtime=costs is not None,
+        )
+        if fallback_gamma is not None and fallback_gamma > decider.max_gamma:
+            raise ValueError(f"fallback_gamma {fallback_gamma} exceeds max_gamma {decider.max_gamma}")
         want = PAPER if mode == "truncate" else ONLINE
         if decider.feature_set is None and decider.load_error is not None:
             decider.feature_set = want  # unreadable policy file: every step falls back anyway

@@ -4,10 +4,11 @@
 re-prices an exported policy as it runs. Each finished step reports how many
 tokens the draft produced and how long that took, and how many draft tokens
 the target verified and how long that took. Per count, the estimate is the
-median of the last ``window`` observations, shrunk towards the prior (the
-export's cost model, or a calibration) with ``prior_weight`` pseudo-observations;
-counts not seen yet take the prior scaled by the median ratio observed/prior
-of the counts that were seen. Medians keep one slow step (a page fault, another
+median of the last ``window`` observations, shrunk with ``prior_weight``
+pseudo-observations towards the prior (the export's cost model, or a
+calibration) rescaled by the median ratio observed/prior over the counts seen;
+counts not seen yet take that rescaled prior. The prior thus keeps its shape
+(how cost grows with gamma) while its level follows this machine. Medians keep one slow step (a page fault, another
 process) from moving a price; the shrinkage keeps three lucky steps from
 moving it much.
 """

@@ -1,0 +1,167 @@
+"""Hostile and careless inputs: no code runs from a data file, nothing good is replaced, concurrent appends keep all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from speckv_policy.cli import evaluate as eval_cli
+from speckv_policy.cli import export as export_cli
+from speckv_policy.export import export_onnx
+from speckv_policy.logs import read_log, write_log
+from speckv_policy.runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
+from speckv_policy.schema import ONLINE
+from speckv_policy.training import UntrustedFileError, load_saved_policy, save_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Payload:
+    """Unpickling this writes a marker file: what an attacker's file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "pwned"))
+
+
+@pytest.fixture()
+def log_path(synthetic, tmp_path):
+    path = tmp_path / "steps.parquet"
+    write_log(synthetic[0], path)
+    return path
+
+
+def test_a_crafted_pickle_never_runs_through_a_cli(tmp_path, log_path, capsys):
+    import joblib
+    import torch
+
+    marker = tmp_path / "marker"
+    evil = tmp_path / "evil.joblib"
+    joblib.dump(_Payload(marker), evil)
+    assert export_cli.main([str(tmp_path / "o.onnx"), "--policy", str(evil)]) == 2
+    assert "is a pickle" in capsys.readouterr().err
+    assert (
+        eval_cli.main(["--log", str(log_path), "--policy", str(evil), "--out", str(tmp_path / "e"), "--no-plots"]) == 2
+    )
+    assert "is a pickle" in capsys.readouterr().err
+    corpus = tmp_path / "corpus.pt"
+    torch.save({"ids": [_Payload(marker)]}, corpus)
+    from speckv_policy.cli import distill
+
+    with pytest.raises(SystemExit, match="not a speckv-distill corpus"):
+        distill.main(["train", "--corpus", str(corpus), "--out", str(tmp_path / "d")])
+    assert not marker.exists()  # nothing ran
+    with pytest.raises(UntrustedFileError):
+        load_saved_policy(evil)
+
+
+def test_trusted_joblib_still_loads(fitted, tmp_path):
+    save_policy(fitted["table"], tmp_path / "t.joblib")
+    assert type(load_saved_policy(tmp_path / "t.joblib", trusted=True)).__name__ == "TablePolicy"
+
+
+def test_special_files_and_folders_are_never_replaced(fitted, tmp_path, log_path, capsys):
+    fifo = tmp_path / "pipe.onnx"
+    os.mkfifo(fifo)
+    folder = tmp_path / "folder.onnx"
+    folder.mkdir()
+    for target in (fifo, folder):
+        with pytest.raises(ValueError, match="is not a regular file; refusing to replace it"):
+            export_onnx(fitted["table"], target)
+        assert export_cli.main([str(target), "--train", str(log_path), "--policy", "table"]) == 2
+        assert "refusing to replace it" in capsys.readouterr().err
+    assert fifo.is_fifo() and folder.is_dir() and not any(folder.iterdir())
+    with pytest.raises(ValueError, match="refusing to replace it"):
+        write_log(read_log(log_path), fifo)
+
+
+def test_an_export_that_does_not_run_never_replaces_a_good_one(fitted, tmp_path, monkeypatch):
+    import onnxruntime
+
+    out = tmp_path / "m.onnx"
+    export_onnx(fitted["table"], out)
+    good = out.read_bytes()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated: onnxruntime cannot load this graph")
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", broken)
+    with pytest.raises(ValueError, match="does not run in onnxruntime.*nothing was written"):
+        export_onnx(fitted["gbt"], out)
+    assert out.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def _edit_metadata(src: Path, dst: Path, **changes: str) -> Path:
+    model = onnx.load(src)
+    for p in model.metadata_props:
+        if p.key in changes:
+            p.value = changes[p.key]
+    onnx.save(model, dst)
+    return dst
+
+
+def test_runtime_returns_a_candidate_or_the_fallback(fitted, tmp_path):
+    export_onnx(fitted["fixed"], tmp_path / "f.onnx")  # the graph always says 4
+    lying = _edit_metadata(tmp_path / "f.onnx", tmp_path / "lying.onnx", **{"speckv.candidates": "[0, 1]"})
+    row = np.zeros(ONLINE.n_features, np.float32)
+    with pytest.raises(PolicyLoadError, match="returned gamma 4, not one of its candidates"):
+        RuntimePolicy(lying).decide(row)
+    with pytest.warns(PolicyFallbackWarning):
+        assert RuntimePolicy(lying, fallback_gamma=1).decide(row) == 1
+    bad = _edit_metadata(tmp_path / "f.onnx", tmp_path / "bad.onnx", **{"speckv.format_version": "one"})
+    with pytest.raises(PolicyLoadError, match=r"bad.onnx: malformed speckv metadata"):
+        RuntimePolicy(bad)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert RuntimePolicy(bad, fallback_gamma=2).decide(row) == 2
+    assert any("bad.onnx" in str(r.message) for r in rec)
+    for wrong in (-1, 99, 2.5, True):
+        with pytest.raises(ValueError, match="fallback_gamma must be an int in 0..32"):
+            RuntimePolicy(tmp_path / "f.onnx", fallback_gamma=wrong)
+
+
+def test_attach_validates_fallback_gamma(fitted, tmp_path):
+    from speckv_policy.hf import attach
+    from speckv_policy.testing import tiny_llama_pair
+
+    target, _ = tiny_llama_pair(seed=0)
+    export_onnx(fitted["table"], tmp_path / "t.onnx")
+    with pytest.raises(ValueError, match="fallback_gamma must be an int >= 0"):
+        attach(target, str(tmp_path / "t.onnx"), compression="fp32", fallback_gamma=-1)
+    with pytest.raises(ValueError, match="fallback_gamma 9 exceeds max_gamma 8"):
+        attach(target, str(tmp_path / "t.onnx"), compression="fp32", fallback_gamma=9)
+    assert "_get_candidate_generator" not in target.__dict__
+
+
+APPENDER = """
+import sys
+import pandas as pd
+from speckv_policy.evaluation.synthetic import generate_synthetic_log
+from speckv_policy.logs import append_log
+log, _ = generate_synthetic_log(n_prompts=10, steps_per_prompt=2, seed=int(sys.argv[2]))
+for i, (pid, rows) in enumerate(log.groupby("prompt_id", sort=True)):
+    rows = rows.copy()
+    rows["run_id"] = f"writer{sys.argv[2]}-unit{i}-" + rows["compression"]
+    append_log(sys.argv[1], rows)
+"""
+
+
+def test_two_processes_appending_to_one_log_keep_every_unit(tmp_path):
+    path = tmp_path / "shared.parquet"
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER, str(path), str(seed)]) for seed in (1, 2)]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    log = read_log(path)
+    units = {r.rsplit("-", 1)[0] for r in log["run_id"]}
+    assert units == {f"writer{s}-unit{i}" for s in (1, 2) for i in range(10)}  # 20 units, none lost
+    assert len(log) == 2 * 10 * 3 * 2  # 10 prompts x 3 compressions x 2 steps per writer
+    assert json.dumps(sorted(units))  # readable
