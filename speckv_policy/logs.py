@@ -223,8 +223,16 @@ def write_log(
     return valid
 
 
-def append_log(path: str | os.PathLike[str], rows: pd.DataFrame | Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+def append_log(
+    path: str | os.PathLike[str],
+    rows: pd.DataFrame | Iterable[Mapping[str, Any]],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> pd.DataFrame:
     """Append rows to the log at ``path`` (created if absent), atomically.
+
+    ``metadata`` (``speckv.``-prefixed in the file) is recorded when the log is
+    created; an existing log keeps the metadata it has.
 
     The new rows are validated together with the existing ones before anything
     is written, so an invalid batch leaves the file exactly as it was.
@@ -232,14 +240,10 @@ def append_log(path: str | os.PathLike[str], rows: pd.DataFrame | Iterable[Mappi
     new = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     path = Path(path)
     with _append_lock(path):  # two processes appending to one log: one at a time, so no unit is lost
-        meta: dict[str, str] = {}
+        meta: dict[str, str] = dict(metadata or {})
         if path.exists():
             old = read_log(path)
-            meta = {
-                k.removeprefix("speckv."): v
-                for k, v in _file_metadata(path).items()
-                if k != "speckv.log_schema_version"
-            }
+            meta = read_log_metadata(path)
             new = pd.concat([old, validate_log(new, source=f"{path} (appended rows)")], ignore_index=True)
         return write_log(new, path, metadata=meta)
 
@@ -259,6 +263,13 @@ def _append_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def read_log_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The metadata a Parquet log was written with (``speckv.`` prefix and schema version left out)."""
+    return {
+        k.removeprefix("speckv."): v for k, v in _file_metadata(Path(path)).items() if k != "speckv.log_schema_version"
+    }
 
 
 def _file_metadata(path: Path) -> dict[str, str]:

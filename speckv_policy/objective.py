@@ -212,7 +212,9 @@ class CostModel:
         are left out when they are at most half the rows: they also pay the
         prompt's prefill. A level whose rows all
         verified the same number of tokens borrows the pooled relative slope of
-        the other levels for its line.
+        the other levels for its line. Timing outliers (over
+        :data:`OUTLIER_FACTOR` times the median of their level and gamma, or
+        not finite) are left out with a :class:`CostModelWarning` naming them.
 
         Raises
         ------
@@ -233,6 +235,7 @@ class CostModel:
             raise ValueError(f"no rows for device {device!r} (devices in log: {', '.join(devices)})")
         if "step" in df and (df["step"] > 0).sum() >= max(len(df) // 2, 1):
             df = df[df["step"] > 0]  # a first step also pays the prompt's prefill, whatever gamma it chose
+        df = _drop_timing_outliers(df)
         codes = df["compression"].map(COMPRESSION_CODES).to_numpy()
         gamma = df["gamma"].to_numpy(np.float64)
         dms = df["draft_ms"].to_numpy(np.float64)
@@ -261,6 +264,8 @@ class CostModel:
                 slope, base = np.polyfit(g[on], v[on], 1)
                 slope = max(float(slope), 0.0)
                 base = float(np.mean(v[on] - slope * g[on]))
+                if base <= 0:  # noisy timings tilted the line past zero: a flat line through the mean instead
+                    slope, base = 0.0, float(np.mean(v[on]))
                 fits[c] = (d, slope, base)
             else:
                 fits[c] = (d, None, float(v.mean()))
@@ -422,6 +427,42 @@ class CostModel:
             return cls.from_dict(d)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: invalid cost model ({exc})") from None
+
+
+class CostModelWarning(UserWarning):
+    """Rows left out of a cost-model fit (timing outliers), named in the message."""
+
+
+#: A step whose draft or verify time is over this many times the median of its compression level and gamma is an
+#: outlier (a page fault, another process, a clock jump) and is left out of the cost model, with a warning.
+OUTLIER_FACTOR = 5.0
+
+
+def _drop_timing_outliers(df: Any) -> Any:
+    """``df`` without timing outliers (see :data:`OUTLIER_FACTOR`), warning with the rows dropped."""
+    import warnings
+
+    groups = [df["compression"], df["gamma"]]
+    bad = np.zeros(len(df), dtype=bool)
+    for col in ("draft_ms", "verify_ms"):
+        x = df[col].astype(np.float64)
+        med = x.groupby(groups).transform("median")
+        size = x.groupby(groups).transform("size")
+        bad |= ((size >= 3) & (med > 0) & (x > OUTLIER_FACTOR * med)).to_numpy()
+        bad |= ~np.isfinite(x.to_numpy())
+    if not bad.any():
+        return df
+    rows = df.index[bad]
+    shown = ", ".join(
+        f"{i} (draft {df.at[i, 'draft_ms']:.4g} ms, verify {df.at[i, 'verify_ms']:.4g} ms)" for i in rows[:5]
+    )
+    warnings.warn(
+        f"cost model: left out {len(rows)} step(s) whose draft or verify time is over {OUTLIER_FACTOR:g}x the "
+        f"median of their compression level and gamma: row {shown}" + (" ..." if len(rows) > 5 else ""),
+        CostModelWarning,
+        stacklevel=3,
+    )
+    return df[~bad]
 
 
 #: What each compression code stands for, as :meth:`CostModel.describe` prints it.

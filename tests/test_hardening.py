@@ -165,3 +165,58 @@ def test_two_processes_appending_to_one_log_keep_every_unit(tmp_path):
     assert units == {f"writer{s}-unit{i}" for s in (1, 2) for i in range(10)}  # 20 units, none lost
     assert len(log) == 2 * 10 * 3 * 2  # 10 prompts x 3 compressions x 2 steps per writer
     assert json.dumps(sorted(units))  # readable
+
+
+def test_one_outlier_row_is_left_out_of_the_cost_model_with_a_warning(synthetic):
+    from speckv_policy.objective import CostModel, CostModelWarning
+
+    log = synthetic[0].copy()
+    clean = CostModel.fit(log)
+    row = log.index[(log["step"] > 0) & (log["gamma"] > 0)][7]
+    log.loc[row, "draft_ms"] = 1e12
+    with pytest.warns(CostModelWarning, match=rf"left out 1 step\(s\).*row {row} \(draft 1e\+12 ms"):
+        robust = CostModel.fit(log)
+    np.testing.assert_allclose(robust.draft_ms_per_token, clean.draft_ms_per_token, rtol=0.02)
+
+
+def test_a_degenerate_policy_is_flagged(synthetic, tmp_path, capsys):
+    log = synthetic[0].copy()
+    log["draft_ms"] = log["draft_ms"] * 1000.0  # drafting priced out: every decision becomes gamma 0
+    path = tmp_path / "slow_draft.parquet"
+    write_log(log, path)
+    assert export_cli.main([str(tmp_path / "m.onnx"), "--train", str(path), "--policy", "table"]) == 0
+    assert "chose gamma 0 on every held-out step" in capsys.readouterr().err
+    from speckv_policy.cli import quickstart
+
+    assert (
+        quickstart.main(["--log", str(path), "--out", str(tmp_path), "--policies", "table,fixed", "--bootstrap", "20"])
+        == 0
+    )
+    err = capsys.readouterr().err
+    # (there the probe is paid whatever is chosen, so the degenerate choice is gamma 1)
+    assert "table chose gamma 1 on every held-out step" in err and "fixed4 chose" not in err
+
+
+def test_quickstart_names_a_log_without_usable_timings(synthetic, tmp_path, capsys):
+    from speckv_policy.cli import quickstart
+
+    log = synthetic[0].copy()
+    log["draft_ms"] = 0.0
+    log["verify_ms"] = 0.0
+    path = tmp_path / "zero.parquet"
+    write_log(log, path)
+    assert quickstart.main(["--log", str(path), "--out", str(tmp_path)]) == 2
+    assert f"{path}: cannot fit a cost model from its timings" in capsys.readouterr().err
+
+
+def test_noisy_timings_never_fit_a_negative_verify_cost():
+    import pandas as pd
+
+    from speckv_policy.objective import CostModel
+
+    rows = [
+        {"device": "cpu", "step": s, "compression": "fp32", "gamma": g, "draft_ms": 0.5 * g, "verify_ms": v}
+        for s, (g, v) in enumerate([(1, 1.0), (8, 100.0)] * 3, start=1)
+    ]
+    cm = CostModel.fit(pd.DataFrame(rows), verify="line")  # the line through them would cross zero at gamma 0
+    assert min(cm.verify_base_ms) > 0 and min(cm.verify_ms_per_token) >= 0

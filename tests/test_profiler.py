@@ -84,11 +84,11 @@ def test_interrupted_profile_resumes_to_the_same_rows(setup, full_run, monkeypat
     real_append = profiler.append_log
     calls = {"n": 0}
 
-    def crash_on_third(path, rows):
+    def crash_on_third(path, rows, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real_append(path, rows)
+        return real_append(path, rows, **kwargs)
 
     monkeypatch.setattr(profiler, "append_log", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
@@ -212,7 +212,9 @@ def test_calibrate_times_every_gamma_through_the_hook(setup, tmp_path, capsys):
     assert cost.device == "cpu" and cost.decision_draft_tokens == 0 and len(cost.verify_table_ms[0]) == 5
     # the fitted table is the mean verify time per gamma, per level
     g2 = steps[(steps["compression"] == "int8") & (steps["gamma"] == 2)]
-    assert cost.verify_table_ms[1][2] == pytest.approx(g2["verify_ms"].mean())
+    usual = (g2["verify_ms"] <= 5 * g2["verify_ms"].median()) & (g2["draft_ms"] <= 5 * g2["draft_ms"].median())
+    usual |= len(g2) < 3  # outliers are judged in groups of 3 or more
+    assert cost.verify_table_ms[1][2] == pytest.approx(g2.loc[usual, "verify_ms"].mean())  # outliers left out
     out = tmp_path / "costs.json"
     assert (
         calibrate_cli.main(
@@ -246,3 +248,39 @@ def test_calibrate_times_every_gamma_through_the_hook(setup, tmp_path, capsys):
     assert "prompt file not found" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         calibrate_cli.main(["--out", str(out), "--seconds", "-1"])
+
+
+def test_resume_with_other_settings_is_refused(setup, full_run, capsys):
+    d, target, draft = setup
+    out, _ = full_run
+    before = out.read_bytes()
+    prompts = read_prompts(d / "prompts.jsonl")
+    with pytest.raises(ValueError, match=r"profiled with other settings \(gamma_max: 8 in the log, 4 now"):
+        profiler.profile(_cfg(d, target, draft, out, gamma_max=4), prompts, progress=False)
+    with pytest.raises(ValueError, match="temperature: 0.7 in the log, 0.9 now"):
+        profiler.profile(_cfg(d, target, draft, out, temperature=0.9), prompts, progress=False)
+    assert out.read_bytes() == before
+    # the same settings resume (nothing left to do), another level extends the log
+    assert profiler.profile(_cfg(d, target, draft, out), prompts, progress=False)["done"] == 0
+    args = [
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--prompts",
+        str(d / "prompts.jsonl"),
+        "--out",
+        str(out),
+        "--compressions",
+        "fp32",
+        "--gamma-max",
+        "4",
+        "--max-new-tokens",
+        "30",
+        "--seed",
+        "3",
+    ]
+    assert profile_cli.main(args) == 2
+    assert "profiled with other settings" in capsys.readouterr().err
+    assert profile_cli.main(args[:7] + [str(d / "x.csv")] + args[8:]) == 2
+    assert "ending in .parquet" in capsys.readouterr().err

@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..objective import CostModel
     from ..runtime import RuntimePolicy
     from ..training import fit_from_log, load_saved_policy, make_policy, save_policy
+    from .quickstart import warn_if_one_gamma
 
     t0 = time.perf_counter()
     log = None
@@ -225,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             ov = result["groups"]["overall"]
             a = ov["arms"]["policy"]
             X, _ = training_data(log, policy.feature_set_, split="heldout")
-            agree = float(np.mean(rt.decide_batch(X) == policy.predict(X)))
+            chosen = policy.predict(X)
+            agree = float(np.mean(rt.decide_batch(X) == chosen))
+            if len(policy.candidates_) > 1:
+                warn_if_one_gamma(type(policy).__name__, chosen, "speckv-export")
             print(
                 f"  held-out ({result['rows']} steps): {a['tokens_per_second']:.2f} {result['unit']}, "
                 f"{a['vs_target']:.3f}x the target alone, {a['vs_fixed4']:.3f}x fixed-4, {a['vs_best_fixed']:.3f}x "

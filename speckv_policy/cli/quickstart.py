@@ -19,6 +19,19 @@ DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 KINDS = ("mlp", "gbt", "table", "paper-mlp16", "fixed")
 
 
+def warn_if_one_gamma(name: str, chosen: np.ndarray, prog: str) -> bool:
+    """Print a warning when a learned policy chose one gamma on every held-out step (a degenerate fit)."""
+    values = np.unique(np.asarray(chosen))
+    if len(values) != 1 or name.startswith("fixed"):
+        return False
+    print(
+        f"{prog}: warning: {name} chose gamma {int(values[0])} on every held-out step: check the cost model "
+        "printed above and the log's timings (one bad timing can price every draft out)",
+        file=sys.stderr,
+    )
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="speckv-quickstart", description=__doc__.split("\n\n")[0])
     p.add_argument("--log", default=DEFAULT_LOG, help=f"step log to train on (default {DEFAULT_LOG})")
@@ -61,7 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     synthetic = bool((log["draft_model"] == "synthetic-draft").all())
     targets = set(log["target_model"])
     prefix = "synthetic-" if synthetic else ("smollm2-" if targets == {"SmolLM2-135M-Instruct"} else "")
-    cm = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
+    try:
+        cm = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
+    except ValueError as exc:
+        print(
+            f"speckv-quickstart: error: {args.log}: cannot fit a cost model from its timings ({exc})", file=sys.stderr
+        )
+        return 2
     out = Path(args.out)
     n_train = int((log["split"] == "train").sum())
     print(
@@ -90,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             rt.decide(rows[i])
             times.append(time.perf_counter() - t)
         status |= agree < 0.999
+        warn_if_one_gamma(name, policy.predict(X), "speckv-quickstart")
         policies[name] = (policy.feature_set, policy.predict)
         checks[name] = (agree, float(np.median(times)) * 1e6, path)
     result, _ = evaluate_log(log, policies, policy_cost=cm, n_resamples=args.bootstrap)

@@ -27,6 +27,9 @@ from ..prompts import Prompt, encode_prompt
 from .hook import attach
 from .models import LOCAL_MODELS, ModelSource
 
+#: Steps timed per gamma and level before a calibration stops (it runs past its budget, up to 4x, to get them).
+MIN_PER_GAMMA = 3
+
 
 @dataclass(frozen=True)
 class CalibrationConfig:
@@ -65,7 +68,8 @@ def calibrate(
 
     The budget is split evenly over the levels; each level first runs one
     untimed generation (first-call costs), then generates from the prompts in
-    turn until its share is spent. The first step of every generation (it also
+    turn until its share is spent and every gamma was timed at least
+    :data:`MIN_PER_GAMMA` times (running past the share for that, at most 4x). The first step of every generation (it also
     pays the prompt's prefill) and the last (it may be cut by the budget) are
     left out.
 
@@ -121,7 +125,9 @@ def calibrate(
         generate(encoded[0][:, :8])  # warm-up, untimed
         t0 = time.perf_counter()
         n = i = 0
-        while time.perf_counter() - t0 < budget:
+        seen = np.zeros(cfg.gamma_max + 1, dtype=np.int64)
+        # the budget, and past it (up to 4x) until every gamma was timed MIN_PER_GAMMA times
+        while (elapsed := time.perf_counter() - t0) < budget or (seen.min() < MIN_PER_GAMMA and elapsed < 4 * budget):
             stats = generate(encoded[i % len(encoded)])
             for s in stats[1:-1]:
                 rows.append(
@@ -134,6 +140,7 @@ def calibrate(
                         "verify_ms": s.verify_ms,
                     }
                 )
+                seen[min(s.gamma, cfg.gamma_max)] += 1
                 n += 1
             i += 1
             if progress is not None:

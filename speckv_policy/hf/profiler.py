@@ -16,16 +16,17 @@ accepted length.
 
 from __future__ import annotations
 
+import json
 import sys
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..logs import append_log, read_log
+from ..logs import append_log, read_log, read_log_metadata
 from ..prompts import Prompt, encode_prompt
 from .models import LOCAL_MODELS, ModelSource
 
@@ -47,6 +48,19 @@ class ProfileConfig:
     device: str = "cpu"
     seed: int = 0
     tag: str = "profile"
+
+
+def profile_settings(cfg: ProfileConfig) -> str:
+    """The settings that shape a profile's rows, as canonical JSON (recorded in the log, checked on resume).
+
+    Left out: where rows go (``out``), and what names the units (``tag``,
+    ``compressions``, ``decodings``, ``fixed_gammas`` are part of every run
+    id), so a log can be extended with another level or decoding.
+    """
+    d = asdict(cfg)
+    for k in ("out", "tag", "compressions", "decodings", "fixed_gammas"):
+        d.pop(k)
+    return json.dumps(d, sort_keys=True)
 
 
 def _units(cfg: ProfileConfig, prompts: list[Prompt]) -> Iterator[tuple[str, str, str, int | None, Prompt]]:
@@ -116,9 +130,24 @@ def profile(
     from .hook import attach
 
     out = Path(cfg.out)
+    if out.suffix != ".parquet":
+        raise ValueError(f"{out}: a step log is written as Parquet; give --out a path ending in .parquet")
+    settings = profile_settings(cfg)
     done: set[tuple[str, str]] = set()
     if out.exists():
         old = read_log(out)
+        recorded = read_log_metadata(out).get("profile_settings")
+        if recorded is not None and json.loads(recorded) != json.loads(settings):
+            was, now = json.loads(recorded), json.loads(settings)
+            diff = ", ".join(
+                f"{k}: {was.get(k)!r} in the log, {now.get(k)!r} now"
+                for k in sorted(set(was) | set(now))
+                if was.get(k) != now.get(k)
+            )
+            raise ValueError(
+                f"{out} was profiled with other settings ({diff}); resuming would mix them. "
+                "Rerun with the log's settings, or profile into another --out"
+            )
         done = set(zip(old["run_id"], old["prompt_id"]))
     units = list(_units(cfg, prompts))
     todo = [u for u in units if (u[0], u[4].id) not in done]
@@ -171,7 +200,7 @@ def profile(
             target_id=ids_t,
         )
         if rows:
-            append_log(out, rows)
+            append_log(out, rows, metadata={"profile_settings": settings})
         counts["done"] += 1
         counts["rows"] += len(rows)
         bar.set_postfix(rows=counts["rows"])
