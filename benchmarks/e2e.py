@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from speckv_policy.atomic import atomic_write_text
+from speckv_policy.cli.common import int_at_least
 from speckv_policy.evaluation.race import goals, make_arms, markdown, plot, summarize_runs, unexplained, write_section
 
 
@@ -30,12 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--draft", default="datasets/smollm2/draft")
     ap.add_argument("--prompts", default="datasets/prompts/prompts.jsonl")
-    ap.add_argument("--per-task", type=int, default=3, help="held-out prompts per task type (default 3)")
+    ap.add_argument("--per-task", type=int_at_least(1), default=3, help="held-out prompts per task type (default 3)")
     ap.add_argument("--compressions", default="fp32,int8,nf4")
     ap.add_argument("--decodings", default="greedy,sampling")
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
+    ap.add_argument("--repeats", type=int_at_least(1), default=1)
     ap.add_argument("--arms", default=None, help="comma-separated subset of arms (target always runs)")
     ap.add_argument("--policy-dir", default="exported")
     ap.add_argument("--policy-prefix", default="smollm2-")

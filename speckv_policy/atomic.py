@@ -34,6 +34,8 @@ def _refuse_non_regular(path: Path, want_dir: bool = False) -> None:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
+    except NotADirectoryError as exc:
+        raise OSError(exc.errno, f"cannot write {path}: a folder on its path is a file") from exc
     ok = stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)
     if not ok:
         kind = "folder" if want_dir else "regular file"
@@ -64,13 +66,20 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -
     """
     path = Path(path)
     _refuse_non_regular(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # a file where the folder should be, permissions, disk full
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from exc
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, _plain_file_mode(path))  # mkstemp creates 0600
         os.replace(tmp, path)
+    except OSError as exc:  # disk full, permissions: say which file, leave the old one
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from exc
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

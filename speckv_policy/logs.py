@@ -128,6 +128,10 @@ def validate_log(df: pd.DataFrame, source: str = "<memory>") -> pd.DataFrame:
             if bad.any():
                 problems += _row_problems(bad, df, col, "an integer")
                 continue
+            huge = np.abs(v) >= 2.0**62  # would wrap around when cast to int64
+            if huge.any():
+                problems += _row_problems(huge, df, col, "an integer (within int64)")
+                continue
             out[col] = v.astype(np.int64)
         elif pa.types.is_floating(typ):
             num = pd.to_numeric(s, errors="coerce")

@@ -55,6 +55,8 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"prompt file not found: {path}")
+    if not path.is_file():
+        raise PromptFileError(f"{path}: not a prompt file (a folder or a device); give a JSON-lines file")
     prompts: list[Prompt] = []
     seen: set[str] = set()
     for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):

@@ -234,6 +234,14 @@ class RuntimePolicy:
             raise PolicyLoadError(f"{self.path}: the model does not run on a feature row ({exc})") from exc
 
     def _check_metadata(self) -> None:
+        try:
+            self._parse_metadata()
+        except PolicyLoadError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+            raise PolicyLoadError(f"{self.path}: malformed speckv metadata ({type(exc).__name__}: {exc})") from None
+
+    def _parse_metadata(self) -> None:
         m = self.metadata
         need = (
             "speckv.format_version",

@@ -83,7 +83,7 @@ def test_cli_names_a_missing_corpus(tmp_path, capsys):
     assert not (tmp_path / "d").exists()
 
 
-def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path):
+def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path, capsys):
     import json
 
     from speckv_policy.cli.distill import main
@@ -112,11 +112,13 @@ def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path)
     # without fit_prefix every training prompt was fitted: no unseen answers to fit the gate on
     model, meta = train_draft(corpus, head_size=256, minutes=0.05, val_fraction=0.0, progress=False)
     save_draft(model, tmp_path / "e", meta)
-    with pytest.raises(SystemExit, match="has no fit_prefix"):
-        main(["copy", "--corpus", str(tmp_path / "c.pt"), "--draft", str(tmp_path / "e")])
-    with pytest.raises(SystemExit, match=r"nowhere has no draft.json"):
-        main(["copy", "--corpus", str(tmp_path / "c.pt"), "--draft", str(tmp_path / "nowhere")])
-    with pytest.raises(SystemExit, match="--max-match must be >= 1, got 0"):
-        main(["copy", "--corpus", str(tmp_path / "c.pt"), "--draft", str(tmp_path / "d"), "--max-match", "0"])
+    for args, msg in (
+        (["--draft", str(tmp_path / "e")], "has no fit_prefix"),
+        (["--draft", str(tmp_path / "nowhere")], "nowhere has no draft.json"),
+        (["--draft", str(tmp_path / "d"), "--max-match", "0"], "--max-match must be >= 1, got 0"),
+    ):
+        assert main(["copy", "--corpus", str(tmp_path / "c.pt"), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("speckv-distill: error:") and msg in err[0]
     assert json.loads((tmp_path / "d" / "draft.json").read_text()) == shipped  # refused runs change nothing
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["draft.json", "draft.safetensors"]  # no temp file

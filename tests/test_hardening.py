@@ -58,8 +58,8 @@ def test_a_crafted_pickle_never_runs_through_a_cli(tmp_path, log_path, capsys):
     torch.save({"ids": [_Payload(marker)]}, corpus)
     from speckv_policy.cli import distill
 
-    with pytest.raises(SystemExit, match="not a speckv-distill corpus"):
-        distill.main(["train", "--corpus", str(corpus), "--out", str(tmp_path / "d")])
+    assert distill.main(["train", "--corpus", str(corpus), "--out", str(tmp_path / "d")]) == 2
+    assert "not a speckv-distill corpus" in capsys.readouterr().err
     assert not marker.exists()  # nothing ran
     with pytest.raises(UntrustedFileError):
         load_saved_policy(evil)
@@ -220,3 +220,142 @@ def test_noisy_timings_never_fit_a_negative_verify_cost():
     ]
     cm = CostModel.fit(pd.DataFrame(rows), verify="line")  # the line through them would cross zero at gamma 0
     assert min(cm.verify_base_ms) > 0 and min(cm.verify_ms_per_token) >= 0
+
+
+def test_disk_full_ends_every_writer_with_one_line(fitted, log_path, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from speckv_policy import atomic
+    from speckv_policy.cli import quickstart
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "replace", full)
+    out = tmp_path / "o"
+    runs = [
+        lambda: export_cli.main([str(out / "m.onnx"), "--train", str(log_path), "--policy", "table"]),
+        lambda: quickstart.main(["--log", str(log_path), "--out", str(out), "--policies", "table", "--bootstrap", "5"]),
+        lambda: eval_cli.main(
+            [
+                "--log",
+                str(log_path),
+                "--policy",
+                str(ROOT / "exported" / "synthetic-table.onnx"),
+                "--out",
+                str(out / "e"),
+                "--bootstrap",
+                "5",
+                "--no-plots",
+            ]
+        ),
+    ]
+    for run in runs:
+        assert run() == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cannot write" in err[0] and "No space left on device" in err[0], err
+    leftovers = [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_paths_of_the_wrong_kind_get_one_line(log_path, tmp_path, capsys):
+    from speckv_policy.cli import calibrate, profile, quickstart
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert (
+        eval_cli.main(
+            [
+                "--log",
+                str(log_path),
+                "--policy",
+                str(ROOT / "exported" / "synthetic-table.onnx"),
+                "--out",
+                str(a_file),
+                "--bootstrap",
+                "5",
+                "--no-plots",
+            ]
+        )
+        == 2
+    )
+    assert "is a file; give a folder" in capsys.readouterr().err
+    assert (
+        quickstart.main(["--log", str(log_path), "--out", str(a_file), "--policies", "table", "--bootstrap", "5"]) == 2
+    )
+    assert "cannot write" in capsys.readouterr().err
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    for main in (profile.main, calibrate.main):
+        assert (
+            main(["--target", "t", "--draft", "d", "--prompts", str(folder), "--out", str(tmp_path / "x.parquet")]) == 2
+        )
+        assert "not a prompt file (a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--calibration-fraction", "5"],
+        ["--gamma-max", "0"],
+        ["--stride", "0"],
+        ["--max-new-tokens", "-3"],
+        ["--temperature", "0"],
+    ],
+)
+def test_bad_numbers_are_refused_by_the_parser(args, tmp_path, capsys):
+    from speckv_policy.cli import profile
+
+    with pytest.raises(SystemExit) as exc:
+        profile.main(["--target", "t", "--draft", "d", "--prompts", "p", "--out", str(tmp_path / "x.parquet"), *args])
+    assert exc.value.code == 2 and "error: argument" in capsys.readouterr().err
+
+
+def test_e2e_refuses_a_negative_prompt_count(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--per-task", "-1", "--out", str(tmp_path / "e.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "must be >= 1" in proc.stderr and not (tmp_path / "e.json").exists()
+
+
+SLOW_WRITER = """
+import sys, time
+from speckv_policy.atomic import atomic_write
+from speckv_policy.cli.common import exit_cleanly_on_sigterm
+
+exit_cleanly_on_sigterm()
+
+def slow(tmp):
+    with open(tmp, "w") as fh:
+        fh.write("half")
+    print("ready", flush=True)
+    time.sleep(60)
+
+atomic_write(sys.argv[1], slow)
+"""
+
+
+def test_sigterm_leaves_no_temporary_file(tmp_path):
+    import signal
+
+    target = tmp_path / "out.parquet"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(target)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # mid-write
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []  # no temporary, no half-written file
+
+
+def test_an_integer_beyond_int64_is_a_clear_error(synthetic):
+    from speckv_policy.logs import LogValidationError, validate_log
+
+    log = synthetic[0].copy()
+    log["accepted"] = log["accepted"].astype(object)
+    log.at[log.index[3], "accepted"] = 10**30  # would wrap around silently when cast to int64
+    with pytest.raises(LogValidationError, match=r"row 3, column 'accepted': expected an integer \(within int64\)"):
+        validate_log(log, source="big.parquet")

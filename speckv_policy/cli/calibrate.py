@@ -11,6 +11,7 @@ import sys
 import time
 
 from ..objective import COMPRESSION_NAMES_BY_CODE
+from .common import exit_cleanly_on_sigterm, fail, int_at_least
 
 
 def _positive(text: str) -> float:
@@ -38,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         default=90.0,
         help="timing budget over all levels (default 90: about 2 minutes with model loading)",
     )
-    p.add_argument("--gamma-max", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--gamma-max", type=int_at_least(1), default=8)
+    p.add_argument("--max-new-tokens", type=int_at_least(4), default=48)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    exit_cleanly_on_sigterm()
 
     from ..hf.calibrate import CalibrationConfig, calibrate
     from ..prompts import PromptFileError, read_prompts
@@ -71,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         cost, steps = calibrate(cfg, prompts, models=SMOLLM2_MODELS, progress=progress)
         print(file=sys.stderr)
         cost.save(args.out)
-    except (PromptFileError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
-        print(f"\nspeckv-calibrate: error: {exc}", file=sys.stderr)
-        return 2
+    except (PromptFileError, ValueError, OSError, ModuleNotFoundError) as exc:
+        print(file=sys.stderr)
+        return fail("speckv-calibrate", exc)
     print(
         f"cost model of {args.target} + {args.draft} on {args.device}, {len(steps)} steps timed "
         f"({time.perf_counter() - t0:.0f} s in all) -> {args.out}"

@@ -19,6 +19,11 @@ from ..atomic import atomic_write, atomic_write_text
 from ..prompts import read_prompts, write_prompt_file
 from ..smollm2.distill import agreement, fit_copy, generate_corpus, train_draft
 from ..smollm2.draft_model import DRAFT_META, head_slots, load_draft, save_draft
+from .common import exit_cleanly_on_sigterm, fail
+
+
+class DistillError(ValueError):
+    """A bad input to a speckv-distill command; main() prints it on one line and exits 2."""
 
 
 def _load_corpora(paths: str) -> dict:
@@ -29,12 +34,12 @@ def _load_corpora(paths: str) -> dict:
         try:  # weights_only: tensors, lists, strings and numbers only; a pickle payload cannot run
             c = torch.load(path, weights_only=True)
         except Exception as exc:
-            raise SystemExit(
-                f"speckv-distill: error: {path}: not a speckv-distill corpus ({type(exc).__name__}: "
+            raise DistillError(
+                f"{path}: not a speckv-distill corpus ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''})"
             ) from None
         if not isinstance(c, dict):
-            raise SystemExit(f"speckv-distill: error: {path}: not a speckv-distill corpus (holds a {type(c).__name__})")
+            raise DistillError(f"{path}: not a speckv-distill corpus (holds a {type(c).__name__})")
         minutes += float(c.pop("minutes", 0) or 0)
         for k, v in c.items():
             merged.setdefault(k, []).extend(v)
@@ -45,16 +50,14 @@ def _load_corpora(paths: str) -> dict:
 def _fit_copy_command(args: argparse.Namespace) -> None:
     folder = Path(args.draft)
     if not (folder / DRAFT_META).exists():
-        raise SystemExit(
-            f"speckv-distill: error: {folder} has no {DRAFT_META} (a folder written by 'speckv-distill train')"
-        )
+        raise DistillError(f"{folder} has no {DRAFT_META} (a folder written by 'speckv-distill train')")
     if args.max_match < 1:
-        raise SystemExit(f"speckv-distill: error: --max-match must be >= 1, got {args.max_match}")
+        raise DistillError(f"--max-match must be >= 1, got {args.max_match}")
     meta = json.loads((folder / DRAFT_META).read_text())
     prefix = meta.get("fit_prefix")
     if not prefix:
-        raise SystemExit(
-            f"speckv-distill: error: {folder / DRAFT_META} has no fit_prefix: the copy gate is fitted "
+        raise DistillError(
+            f"{folder / DRAFT_META} has no fit_prefix: the copy gate is fitted "
             "on answers the draft never fitted (train with --fit-prefix)"
         )
     corpus = _load_corpora(args.corpus)
@@ -65,8 +68,8 @@ def _fit_copy_command(args: argparse.Namespace) -> None:
     ]
     held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
     if not val:
-        raise SystemExit(
-            f"speckv-distill: error: {args.corpus} has no greedy answer to a training prompt whose id "
+        raise DistillError(
+            f"{args.corpus} has no greedy answer to a training prompt whose id "
             f"does not start with {prefix!r} (the draft's validation prompts)"
         )
     model = load_draft(folder)
@@ -99,6 +102,14 @@ def _fit_copy_command(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``speckv-distill``: one line and exit 2 on a bad input or a failed write."""
+    try:
+        return _main(argv)
+    except (DistillError, OSError) as exc:
+        return fail("speckv-distill", exc)
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="speckv-distill", description="Distil a draft for SmolLM2-135M-Instruct.")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser(
@@ -154,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--corpus", required=True)
     e.add_argument("--draft", required=True)
     args = p.parse_args(argv)
+    exit_cleanly_on_sigterm()
     for path in (getattr(args, "corpus", None) or "").split(","):
         if path and not os.path.exists(path):
             print(

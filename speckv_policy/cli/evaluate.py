@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from .common import exit_cleanly_on_sigterm, fail, int_at_least
+
 DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 DEFAULT_POLICIES = "exported/smollm2-*.onnx"
 
@@ -47,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f".onnx exports or joblib-saved policies (default {DEFAULT_POLICIES}); globs allowed",
     )
     ap.add_argument("--out", default="docs/eval", help="output folder (default docs/eval)")
-    ap.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    ap.add_argument("--bootstrap", type=int_at_least(1), default=10_000, help="bootstrap resamples (default 10000)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-gamma", type=int, default=8, help="outcomes known up to this gamma (default 8)")
+    ap.add_argument("--max-gamma", type=int_at_least(1), default=8, help="outcomes known up to this gamma (default 8)")
     ap.add_argument(
         "--decision-draft-tokens",
         type=int,
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         help="allow joblib-saved policies: pickles, which run any code they carry (only files you trust)",
     )
     args = ap.parse_args(argv)
+    exit_cleanly_on_sigterm()
 
     from ..atomic import atomic_write_text
     from ..evaluation import evaluate_log
@@ -101,14 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     result["policies"] = {Path(p).stem: p for p in paths}
     result["cost_model"] = cost.to_dict()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     command = "speckv-eval " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     md = markdown(result, command=command.strip(), log=args.log)
-    if not args.no_plots:
-        written = plots(result, es, out)
-        md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in written) + "\n"
-    atomic_write_text(out / "eval.json", json.dumps(result, indent=1))
-    atomic_write_text(out / "eval.md", md)
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"--out {out} is a file; give a folder for the report")
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.no_plots:
+            written = plots(result, es, out)
+            md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in written) + "\n"
+        atomic_write_text(out / "eval.json", json.dumps(result, indent=1))
+        atomic_write_text(out / "eval.md", md)
+    except (OSError, ValueError) as exc:
+        return fail("speckv-eval", exc)
     ov = result["groups"]["overall"]
     print(
         f"{result['rows']} held-out steps, {result['prompts']} prompts; best fixed gamma "

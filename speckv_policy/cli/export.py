@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from ..policies import POLICIES
+from .common import exit_cleanly_on_sigterm, fail
 
 DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 DEFAULT_KIND = "gbt"
@@ -114,9 +115,8 @@ def _reprice(args: argparse.Namespace) -> int:
             raise ValueError(f"{src}: not a readable ONNX file ({exc})") from None
         new = reprice_onnx(model, cm)
         write_onnx(new, dst)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"speckv-export: error: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as exc:
+        return fail("speckv-export", exc)
     print(f"re-priced {src} -> {dst} with the cost model in {args.reprice} ({cm.unit}, device {cm.device}):")
     for line in cm.describe():
         print(f"  {line}")
@@ -125,6 +125,7 @@ def _reprice(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_cleanly_on_sigterm()
     if args.reprice:
         return _reprice(args)
     if len(args.paths) != 1:
@@ -185,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         model = export_onnx(policy, args.output)
         if args.save_policy:
             save_policy(policy, args.save_policy)
-    except (LogValidationError, ValueError, FileNotFoundError) as exc:
-        print(f"speckv-export: error: {exc}", file=sys.stderr)
-        return 2
+    except (LogValidationError, ValueError, OSError) as exc:
+        return fail("speckv-export", exc)
     rt = RuntimePolicy(args.output)
     cm = policy.cost_model_
     print(

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from ..hf.profiler import ProfileConfig, profile
 from ..logs import LogValidationError
 from ..prompts import PromptFileError, read_prompts
 from ..smollm2.models import SMOLLM2_MODELS
+from .common import exit_cleanly_on_sigterm, fail, float_in, int_at_least
 
 
 def _csv(text: str, cast: Any = str) -> tuple[Any, ...]:
@@ -26,20 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="step log (.parquet) to create or resume")
     p.add_argument("--compressions", default="fp32,int8,nf4")
     p.add_argument("--decodings", default="greedy,sampling")
-    p.add_argument("--gamma-max", type=int, default=8)
-    p.add_argument("--calibration-fraction", type=float, default=0.15)
+    p.add_argument("--gamma-max", type=int_at_least(1), default=8)
+    p.add_argument("--calibration-fraction", type=float_in(0.0, 1.0), default=0.15)
     p.add_argument("--fixed-gammas", default="", help="also run constant gammas, e.g. 2,4,6,8 (the paper's runs)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-new-tokens", type=int_at_least(2), default=64)
+    p.add_argument("--temperature", type=float_in(0.0, 100.0, low_open=True), default=0.7)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="profile", help="prefix of run ids")
-    p.add_argument("--limit", type=int, help="profile only the first N prompts")
-    p.add_argument("--stride", type=int, default=1, help="profile every N-th prompt (a spread subset)")
+    p.add_argument("--limit", type=int_at_least(1), help="profile only the first N prompts")
+    p.add_argument("--stride", type=int_at_least(1), default=1, help="profile every N-th prompt (a spread subset)")
     args = p.parse_args(argv)
+    exit_cleanly_on_sigterm()
     try:
-        if args.stride < 1:
-            raise ValueError(f"--stride must be >= 1, got {args.stride}")
         prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
         cfg = ProfileConfig(
             target=args.target,
@@ -60,9 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             if d not in ("greedy", "sampling"):
                 raise ValueError(f"unknown decoding {d!r}; expected greedy or sampling")
         counts = profile(cfg, prompts, models=SMOLLM2_MODELS)
-    except (PromptFileError, LogValidationError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
-        print(f"speckv-profile: error: {exc}", file=sys.stderr)
-        return 2
+    except (PromptFileError, LogValidationError, ValueError, OSError, ModuleNotFoundError) as exc:
+        return fail("speckv-profile", exc)
     print(
         f"speckv-profile: {counts['done']} prompt runs profiled, {counts['skipped']} already in {args.out}, "
         f"{counts['rows']} steps written"

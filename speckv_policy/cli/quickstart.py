@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .common import exit_cleanly_on_sigterm, fail, int_at_least
+
 DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 KINDS = ("mlp", "gbt", "table", "paper-mlp16", "fixed")
 
@@ -45,9 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         help="draft tokens paid before deciding: 1 for the hook's default upfront mode (default)",
     )
     p.add_argument(
-        "--bootstrap", type=int, default=2000, help="paired bootstrap resamples over prompts for the CIs (default 2000)"
+        "--bootstrap",
+        type=int_at_least(1),
+        default=2000,
+        help="paired bootstrap resamples over prompts for the CIs (default 2000)",
     )
     args = p.parse_args(argv)
+    exit_cleanly_on_sigterm()
 
     from ..evaluation import evaluate_log
     from ..export import export_onnx
@@ -93,25 +99,28 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     policies = {}
     checks = {}
-    for kind in kinds:
-        policy = make_policy(kind, cost_model=cm)
-        fit_from_log(policy, log, split="train")
-        name = "fixed4" if kind == "fixed" else kind
-        path = out / f"{prefix}{name}.onnx"
-        export_onnx(policy, path)
-        rt = RuntimePolicy(path)
-        X, _ = training_data(log, policy.feature_set, split="heldout")
-        agree = float(np.mean(rt.decide_batch(X) == policy.predict(X)))
-        rows = X.to_numpy(np.float32)
-        times = []
-        for i in range(min(2000, len(rows))):
-            t = time.perf_counter()
-            rt.decide(rows[i])
-            times.append(time.perf_counter() - t)
-        status |= agree < 0.999
-        warn_if_one_gamma(name, policy.predict(X), "speckv-quickstart")
-        policies[name] = (policy.feature_set, policy.predict)
-        checks[name] = (agree, float(np.median(times)) * 1e6, path)
+    try:
+        for kind in kinds:
+            policy = make_policy(kind, cost_model=cm)
+            fit_from_log(policy, log, split="train")
+            name = "fixed4" if kind == "fixed" else kind
+            path = out / f"{prefix}{name}.onnx"
+            export_onnx(policy, path)
+            rt = RuntimePolicy(path)
+            X, _ = training_data(log, policy.feature_set, split="heldout")
+            agree = float(np.mean(rt.decide_batch(X) == policy.predict(X)))
+            rows = X.to_numpy(np.float32)
+            times = []
+            for i in range(min(2000, len(rows))):
+                t = time.perf_counter()
+                rt.decide(rows[i])
+                times.append(time.perf_counter() - t)
+            status |= agree < 0.999
+            warn_if_one_gamma(name, policy.predict(X), "speckv-quickstart")
+            policies[name] = (policy.feature_set, policy.predict)
+            checks[name] = (agree, float(np.median(times)) * 1e6, path)
+    except (OSError, ValueError) as exc:  # an --out that is a file, a full disk, a graph that does not run
+        return fail("speckv-quickstart", exc)
     result, _ = evaluate_log(log, policies, policy_cost=cm, n_resamples=args.bootstrap)
     ov = result["groups"]["overall"]
     boot = result["bootstrap"].get("overall", {})

@@ -1,0 +1,60 @@
+"""What every command line shares: argument types that reject bad numbers, SIGTERM handling, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse type: an int >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+
+    return parse
+
+
+def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """argparse type: a float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < v <= high if low_open else low <= v <= high):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low}, {high}], got {text}")
+        return v
+
+    return parse
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit(143)``, so ``finally`` blocks run and no temporary file is left behind.
+
+    Only from the main thread (Python delivers signals there); elsewhere a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def fail(prog: str, message: object) -> int:
+    """Print ``prog: error: message`` on one line to stderr; return exit status 2."""
+    text = str(message).strip().replace("\n", " ")
+    print(f"{prog}: error: {text}", file=sys.stderr)
+    return 2

@@ -1,0 +1,215 @@
+"""Fuzzing what users point the tools at: logs, feature vectors, export metadata, command lines.
+
+Every case must end in a correct result or a clear error of the documented kind (naming the file where there is
+one) - never another exception, and never a changed good file.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from speckv_policy.cli import export as export_cli
+from speckv_policy.evaluation.synthetic import generate_synthetic_log
+from speckv_policy.export import export_onnx
+from speckv_policy.logs import COLUMNS, LogValidationError, read_log, validate_log, write_log
+from speckv_policy.runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
+from speckv_policy.schema import ONLINE
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+ODD_VALUES = [
+    None,
+    float("nan"),
+    float("inf"),
+    -1,
+    -1e300,
+    1e300,
+    0,
+    "",
+    "x",
+    "nf5",
+    [],
+    [1.5],
+    [float("nan")],
+    True,
+    {"a": 1},
+    10**30,
+]
+
+
+@pytest.fixture(scope="module")
+def small_log():
+    log, _ = generate_synthetic_log(n_prompts=6, steps_per_prompt=3, seed=4)
+    return validate_log(log)
+
+
+@FUZZ
+@given(data=st.data())
+def test_any_mutated_log_validates_or_names_the_problem(small_log, data):
+    df = small_log.copy()
+    for _ in range(data.draw(st.integers(1, 3))):
+        col = data.draw(st.sampled_from(list(COLUMNS)))
+        if data.draw(st.booleans()) and col in df:
+            df = df.drop(columns=[col])
+            continue
+        row = data.draw(st.integers(0, len(df) - 1))
+        value = data.draw(st.sampled_from(ODD_VALUES))
+        df[col] = df[col].astype(object) if col in df else None
+        df.at[df.index[row], col] = value
+    try:
+        out = validate_log(df, source="fuzzed.parquet")
+    except LogValidationError as exc:
+        assert "fuzzed.parquet" in str(exc)
+    else:
+        assert len(out) == len(df)
+
+
+@FUZZ
+@given(blob=st.binary(max_size=300), suffix=st.sampled_from([".parquet", ".csv"]))
+def test_garbage_files_are_clear_log_errors(blob, suffix, tmp_path_factory):
+    path = tmp_path_factory.mktemp("garbage") / f"log{suffix}"
+    path.write_bytes(blob)
+    with pytest.raises(LogValidationError, match=str(path)):
+        read_log(path)
+
+
+@pytest.fixture(scope="module")
+def gbt_export(fitted, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz") / "gbt.onnx"
+    export_onnx(fitted["gbt"], path)
+    return path
+
+
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -1.0, 2.0, 1e30]))
+
+
+@FUZZ
+@given(row=st.lists(floats, min_size=0, max_size=10))
+def test_any_feature_vector_gives_a_candidate_or_the_fallback(gbt_export, row):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyFallbackWarning)
+        rt = RuntimePolicy(gbt_export, fallback_gamma=3)
+        g = rt.decide(np.asarray(row, dtype=np.float32))
+    assert g in set(rt.candidates.tolist()) | {3}
+    strict = RuntimePolicy(gbt_export)
+    finite = len(row) == ONLINE.n_features and all(math.isfinite(np.float32(v)) for v in row)
+    if finite:
+        assert strict.decide(np.asarray(row, dtype=np.float32)) in set(strict.candidates.tolist())
+    else:
+        with pytest.raises((ValueError, PolicyLoadError)):
+            strict.decide(np.asarray(row, dtype=np.float32))
+
+
+META_KEYS = [
+    "speckv.format_version",
+    "speckv.feature_set",
+    "speckv.feature_names",
+    "speckv.feature_schema_version",
+    "speckv.candidates",
+    "speckv.compression_codes",
+    "speckv.objective",
+    "speckv.cost_model",
+]
+
+
+@FUZZ
+@given(
+    key=st.sampled_from(META_KEYS),
+    value=st.one_of(st.text(max_size=20), st.sampled_from(["[]", "[-1]", "{}", "99", "null", '"online"', "[1e9]"])),
+)
+def test_any_metadata_edit_loads_or_names_the_file(gbt_export, key, value, tmp_path_factory):
+    import warnings
+
+    model = onnx.load(gbt_export)
+    for p in model.metadata_props:
+        if p.key == key:
+            p.value = value
+    path = tmp_path_factory.mktemp("meta") / "edited.onnx"
+    onnx.save(model, path)
+    row = np.zeros(ONLINE.n_features, np.float32)
+    try:
+        rt = RuntimePolicy(path)
+    except PolicyLoadError as exc:
+        assert str(path) in str(exc)
+    else:
+        try:
+            assert rt.decide(row) in set(rt.candidates.tolist())
+        except (ValueError, PolicyLoadError) as exc:
+            assert str(path) in str(exc) or "feature" in str(exc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyFallbackWarning)
+        g = RuntimePolicy(path, fallback_gamma=2).decide(row)
+    assert isinstance(g, int) and g >= 0
+
+
+@pytest.fixture(scope="module")
+def cli_setup(small_log, fitted, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    write_log(small_log, d / "steps.parquet")
+    export_onnx(fitted["table"], d / "good.onnx")
+    return d
+
+
+ARG_POOL = [
+    "--policy",
+    "gbt",
+    "table",
+    "fixed",
+    "nope",
+    "--train",
+    "steps.parquet",
+    "missing.parquet",
+    "--candidates",
+    "0,1,2",
+    "a,b",
+    "",
+    "--objective",
+    "tokens_per_step",
+    "--gamma",
+    "-3",
+    "7",
+    "--cost-model",
+    "relative",
+    "--decision-draft-tokens",
+    "1",
+    "5",
+    "--feature-set",
+    "paper",
+    "--reprice",
+    "costs.json",
+    "--device",
+    "gpu",
+    "--save-policy",
+    "x.joblib",
+]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(args=st.lists(st.sampled_from(ARG_POOL), max_size=7))
+def test_export_command_lines_end_in_a_result_or_one_error(cli_setup, args, tmp_path_factory, capsys):
+    d = tmp_path_factory.mktemp("run")
+    shutil.copy(cli_setup / "steps.parquet", d / "steps.parquet")
+    out = d / "model.onnx"
+    shutil.copy(cli_setup / "good.onnx", out)
+    argv = [str(d / a) if a.endswith((".parquet", ".json", ".joblib")) else a for a in args]
+    try:
+        code = export_cli.main([str(out), *argv])
+    except SystemExit as exc:  # argparse: a usage error
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code in (0, 2), err
+    assert "Traceback" not in err
+    if code == 2 and "usage:" not in err:
+        assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1
+    RuntimePolicy(out)  # the good export is still there and still loads (or was replaced by a new good one)
+    assert not [p for p in Path(d).iterdir() if p.name.endswith(".tmp")]
