@@ -284,3 +284,10 @@ def test_resume_with_other_settings_is_refused(setup, full_run, capsys):
     assert "profiled with other settings" in capsys.readouterr().err
     assert profile_cli.main(args[:7] + [str(d / "x.csv")] + args[8:]) == 2
     assert "ending in .parquet" in capsys.readouterr().err
+    # --force-new starts afresh and moves the old log aside: nothing is lost
+    copy = d / "forced.parquet"
+    copy.write_bytes(before)
+    assert profile_cli.main(args[:7] + [str(copy)] + args[8:] + ["--force-new", "--limit", "1"]) == 0
+    aside = [f for f in d.iterdir() if f.name.startswith("forced.old-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == before
+    assert set(read_log(copy)["compression"]) == {"fp32"} and read_log(copy)["prompt_id"].nunique() == 1

@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="profile", help="prefix of run ids")
     p.add_argument("--limit", type=int_at_least(1), help="profile only the first N prompts")
     p.add_argument("--stride", type=int_at_least(1), default=1, help="profile every N-th prompt (a spread subset)")
+    p.add_argument(
+        "--force-new",
+        action="store_true",
+        help="start a new log at --out; an existing one is moved aside (renamed), never deleted",
+    )
     args = p.parse_args(argv)
     exit_cleanly_on_sigterm()
     try:
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in cfg.decodings:
             if d not in ("greedy", "sampling"):
                 raise ValueError(f"unknown decoding {d!r}; expected greedy or sampling")
-        counts = profile(cfg, prompts, models=SMOLLM2_MODELS)
+        counts = profile(cfg, prompts, models=SMOLLM2_MODELS, force_new=args.force_new)
     except (PromptFileError, LogValidationError, ValueError, OSError, ModuleNotFoundError) as exc:
         return fail("speckv-profile", exc)
     print(

@@ -17,7 +17,9 @@ accepted length.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -116,9 +118,18 @@ def stats_to_rows(
 
 
 def profile(
-    cfg: ProfileConfig, prompts: list[Prompt], *, progress: bool = True, models: ModelSource = LOCAL_MODELS
+    cfg: ProfileConfig,
+    prompts: list[Prompt],
+    *,
+    progress: bool = True,
+    models: ModelSource = LOCAL_MODELS,
+    force_new: bool = False,
 ) -> dict[str, int]:
     """Run (or resume) a profile; returns counts of units done, skipped and rows written.
+
+    A log at ``cfg.out`` is resumed when it was made with the same settings and
+    refused otherwise; ``force_new`` moves it aside (renamed with a timestamp)
+    and starts a new one.
 
     ``models`` resolves ``cfg.target`` and ``cfg.draft`` to loaded models: local
     Hugging Face folders by default; :data:`speckv_policy.smollm2.models.SMOLLM2_MODELS`
@@ -134,6 +145,10 @@ def profile(
         raise ValueError(f"{out}: a step log is written as Parquet; give --out a path ending in .parquet")
     settings = profile_settings(cfg)
     done: set[tuple[str, str]] = set()
+    if out.exists() and force_new:  # start afresh, but lose nothing: the old log moves aside
+        aside = out.with_name(f"{out.stem}.old-{time.strftime('%Y%m%d-%H%M%S')}{out.suffix}")
+        os.replace(out, aside)
+        print(f"speckv-profile: moved the existing log to {aside}", file=sys.stderr)
     if out.exists():
         old = read_log(out)
         recorded = read_log_metadata(out).get("profile_settings")
@@ -146,7 +161,8 @@ def profile(
             )
             raise ValueError(
                 f"{out} was profiled with other settings ({diff}); resuming would mix them. "
-                "Rerun with the log's settings, or profile into another --out"
+                "Rerun with the log's settings, profile into another --out, or pass --force-new (the old log is "
+                "moved aside, not deleted)"
             )
         done = set(zip(old["run_id"], old["prompt_id"]))
     units = list(_units(cfg, prompts))
