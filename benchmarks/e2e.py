@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from speckv_policy.atomic import atomic_write_text
@@ -61,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--costs-out", default="docs/e2e_costs.json", help="where the race's calibration is written")
     ap.add_argument(
+        "--peer-log",
+        default="datasets/smollm2/steps.parquet",
+        help="step log whose training split gives the vLLM-style arm its cold-start acceptance",
+    )
+    ap.add_argument(
         "--render",
         metavar="JSON",
         default=None,
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         result["goals"] = goals(result)
     else:
         from speckv_policy.hf.race import RaceConfig, run_race
+        from speckv_policy.logs import read_log
+        from speckv_policy.objective import CostModel
         from speckv_policy.prompts import read_prompts
         from speckv_policy.smollm2.models import SMOLLM2_MODELS
 
@@ -107,8 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"calibrated this machine ({len(steps)} steps) -> {args.costs_out}:\n  " + "\n  ".join(cost.describe())
             )
+        peer_log = read_log(args.peer_log)
+        peer_costs = CostModel.load(costs) if costs else CostModel.fit(peer_log)  # no probe: decided before drafting
         arms = make_arms(
-            Path(args.policy_dir), args.policy_prefix, args.arms.split(",") if args.arms else None, costs=costs
+            Path(args.policy_dir),
+            args.policy_prefix,
+            args.arms.split(",") if args.arms else None,
+            costs=costs,
+            peer_log=peer_log,
+            peer_costs=replace(peer_costs, decision_draft_tokens=0),
         )
         cfg = RaceConfig(
             target=args.target,

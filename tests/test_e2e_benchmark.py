@@ -98,6 +98,8 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
         "gbt-backoff",
         "table-backoff",
         *(f"{k}-{tag}" for k in ("mlp", "gbt", "table") for tag in ("repriced", "live")),
+        "sglang-adaptive",
+        "vllm-dynamic",
     }
     assert set(res["arms"]) == expected
     # the race calibrated this machine first and raced the exports re-priced with it
@@ -113,6 +115,9 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     assert all(r["fallbacks"] == 0 for r in runs)
     cell = res["summary"]["fp32/greedy/all"]
     assert cell["arms"]["target"]["vs_target"] == pytest.approx(1.0)
+    lo, hi = cell["arms"]["gbt-upfront"]["vs_target_ci"]  # paired bootstrap CI over the 2 prompts
+    assert lo <= cell["arms"]["gbt-upfront"]["vs_target"] <= hi
+    assert cell["best_peer"] in race.PEER_RULES
     assert cell["best_fixed"] in {"fixed-2", "fixed-4", "fixed-6", "fixed-8"}
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nkept text") and text.count(race.BEGIN) == 1
@@ -190,3 +195,41 @@ def test_chunking_noise_tells_a_near_tie_from_a_real_difference():
 def test_unknown_arm_is_a_clear_error():
     with pytest.raises(SystemExit, match="unknown arm"):
         race.make_arms(ROOT / "exported", "smollm2-", ["nope"])
+
+
+def test_sglang_style_steps_follow_the_accepted_length():
+    rule = race.SGLangStyleSteps()
+    assert rule.gamma() == 3  # starts on the middle tier
+    for _ in range(10):
+        rule.observe(3, 3)  # every draft fully accepted: EMA -> 3, round(3) + 1 = 4, nearest tier 3... then 7
+    assert rule.gamma() in (3, 7)
+    for _ in range(30):
+        rule.observe(rule.gamma(), rule.gamma())
+    assert rule.gamma() == 7
+    for _ in range(40):
+        rule.observe(rule.gamma(), 0)  # nothing accepted: down to the smallest tier
+    assert rule.gamma() == 1
+    rule.observe(0, 0)  # a step that did not draft changes nothing
+    assert rule.gamma() == 1
+
+
+def test_vllm_style_goodput_choice():
+    flat = np.full(9, 10.0)  # verification free, drafting free: longer is never worse
+    rule = race.VLLMStyleDynamic(np.full(8, 0.9), flat)
+    assert rule.gamma() == 8
+    costly = 10.0 + 4.0 * np.arange(9)  # each draft token costs 40% of a step
+    rule = race.VLLMStyleDynamic(np.full(8, 0.3), costly)
+    assert rule.gamma() == 0  # low acceptance and dear drafts: a plain step
+    for _ in range(60):
+        rule.observe(1, 1)  # position 1 always accepted now
+    assert rule.p[0] > 0.95 and rule.gamma() >= 1
+    with pytest.raises(ValueError, match="step_ms needs 9 values"):
+        race.VLLMStyleDynamic(np.full(8, 0.5), np.ones(3))
+
+
+def test_conditional_acceptance_from_a_log():
+    from speckv_policy.logs import read_log
+
+    log = read_log(ROOT / "datasets" / "smollm2" / "steps.parquet")
+    p = race.conditional_acceptance(log, "fp32")
+    assert p.shape == (8,) and ((p > 0) & (p < 1)).all()

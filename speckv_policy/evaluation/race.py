@@ -22,6 +22,9 @@ rotates from prompt to prompt so no arm always runs first):
   (+2 after a fully accepted draft, -1 otherwise; confidence stop off). HF keeps both states
   on the draft model between calls; each arm keeps its own across the prompts of a block,
   as a server would;
+* ``sglang-adaptive``: SGLang's adaptive steps (an EMA of accepted length picks a tier in {1, 3, 7}, see
+  :class:`SGLangStyleSteps`); ``vllm-dynamic``: vLLM's Dynamic SD (per-position acceptance EMAs, cold start from
+  the profile, goodput over the cost model, see :class:`VLLMStyleDynamic`); both decide before drafting;
 * ``adaedl``: an AdaEDL-style training-free entropy stop (per-token): stop drafting when
   ``1 - sqrt(0.2 * H)`` falls under ``lambda = 0.5 + 0.3 * (0.5 - ema_acceptance)`` (fixed
   constants, not tuned on the prompts here);
@@ -48,10 +51,12 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..runtime import RuntimePolicy
-from ..schema import ONLINE
+from ..schema import COMPRESSION_CODES, ONLINE
 from .report import save_figure
 
 BEGIN, END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
+#: The peers' adaptive rules (the bar the issue sets for ours).
+PEER_RULES = ("hf-default", "hf-heuristic", "adaedl", "sglang-adaptive", "vllm-dynamic")
 OURS = ("mlp", "gbt", "table")
 ADAEDL_GAMMA, ADAEDL_BASE, ADAEDL_GAIN = 0.2, 0.5, 0.3
 BACKOFF = 8  # probe back-off cap of the *-backoff arms (attach(..., probe_backoff=8))
@@ -66,6 +71,100 @@ def adaedl_policy(features: Any) -> int:
     return 2 if 1.0 - np.sqrt(ADAEDL_GAMMA * max(h, 0.0)) >= lam else 0
 
 
+class SGLangStyleSteps:
+    """SGLang-style adaptive steps (``--speculative-adaptive``), as its docs and PRs describe it; decides before drafting.
+
+    After each verification an EMA of the accepted length (draft tokens
+    accepted) is updated; every ``interval`` steps the target is
+    ``round(ema) + 1`` (SGLang's documented target): above the current tier,
+    the tier moves up to the first one that reaches it; below, down to the
+    last one under it, with the EMA shifted by ``up_hysteresis`` /
+    ``down_hysteresis`` for the two directions. Tiers
+    ``(1, 3, 7)`` and ``interval=5`` are SGLang's defaults; ``alpha`` (the EMA
+    weight, 0.2) and the hysteresis (0, -0.25, from a shipped SGLang config)
+    are not tuned on the prompts here. The state persists across requests, as
+    a server's controller would.
+    """
+
+    def __init__(
+        self,
+        tiers: tuple[int, ...] = (1, 3, 7),
+        alpha: float = 0.2,
+        interval: int = 5,
+        up_hysteresis: float = 0.0,
+        down_hysteresis: float = -0.25,
+    ) -> None:
+        self.tiers = tuple(sorted(tiers))
+        self.alpha, self.interval = alpha, interval
+        self.up, self.down = up_hysteresis, down_hysteresis
+        self.tier = self.tiers[len(self.tiers) // 2]
+        self.ema: float | None = None
+        self.steps = 0
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        """One verified step: ``accepted`` of ``gamma`` draft tokens kept."""
+        if gamma <= 0:
+            return
+        self.ema = float(accepted) if self.ema is None else (1 - self.alpha) * self.ema + self.alpha * accepted
+        self.steps += 1
+        if self.steps % self.interval:
+            return
+        up_target = round(self.ema + self.up) + 1  # SGLang's target: round(ema) + 1, with hysteresis
+        down_target = round(self.ema + self.down) + 1
+        if up_target > self.tier:  # up to the first tier that reaches the target
+            self.tier = min((t for t in self.tiers if t >= up_target), default=self.tiers[-1])
+        elif down_target < self.tier:  # down to the last tier under it
+            self.tier = max((t for t in self.tiers if t <= down_target), default=self.tiers[0])
+
+    def gamma(self) -> int:
+        """Draft length for the next step."""
+        return self.tier
+
+
+class VLLMStyleDynamic:
+    """vLLM Dynamic-SD-style speculation length: goodput from acceptance EMAs over a cost model; decides before drafting.
+
+    Keeps per-position acceptance probabilities ``p_k`` (token ``k`` accepted
+    given ``k - 1`` were), started from a profile (cold start) and updated
+    with an EMA from every verified position; each step picks the ``k`` in
+    ``0..max_gamma`` that maximises goodput, ``E[tokens | k] / step_ms(k)``
+    with ``E = 1 + sum_j prod_{i <= j} p_i``, under the cost model (the export's
+    or a calibration). ``beta`` (0.1) is ours, not tuned on the prompts here.
+    """
+
+    def __init__(self, prior: Any, step_ms: Any, beta: float = 0.1) -> None:
+        self.p = np.clip(np.asarray(prior, dtype=np.float64), 1e-3, 1 - 1e-3)
+        self.step_ms = np.asarray(step_ms, dtype=np.float64)  # for k = 0..max_gamma
+        if self.step_ms.shape != (len(self.p) + 1,):
+            raise ValueError(f"step_ms needs {len(self.p) + 1} values (k = 0..{len(self.p)}), got {self.step_ms.shape}")
+        self.beta = beta
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        """Positions 1..accepted were accepted; position accepted + 1 (if drafted) was rejected."""
+        for k in range(1, min(accepted + 1, gamma) + 1):
+            hit = 1.0 if k <= accepted else 0.0
+            self.p[k - 1] = (1 - self.beta) * self.p[k - 1] + self.beta * hit
+
+    def gamma(self) -> int:
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.p))])
+        return int(np.argmax(expected / self.step_ms))
+
+
+def conditional_acceptance(log: Any, compression: str, max_gamma: int = 8) -> np.ndarray:
+    """Per position ``k = 1..max_gamma``, the logged ``P(token k accepted | k - 1 accepted)`` (vLLM-style cold start).
+
+    From the log's training split at ``compression``, counting a position only
+    where the step drafted it.
+    """
+    rows = log[(log["split"] == "train") & (log["compression"] == compression)]
+    acc, drafted = rows["accepted"].to_numpy(), rows["gamma"].to_numpy()
+    p = np.empty(max_gamma)
+    for k in range(1, max_gamma + 1):
+        reached = (acc >= k - 1) & (drafted >= k)
+        p[k - 1] = (np.sum(reached & (acc >= k)) + 1) / (np.sum(reached) + 2)
+    return p
+
+
 @dataclass
 class ArmSpec:
     """One strategy: how to configure the draft and (optionally) attach a policy."""
@@ -78,10 +177,23 @@ class ArmSpec:
     group: str = "baseline"
     backoff: int = 0
     costs: Any = None  # attach(..., costs=): a calibration file or CostModel (re-priced), "live", or None
+    rule: Any = None  # a history rule deciding before drafting: callable(compression) -> object with gamma/observe
 
 
-def make_arms(policy_dir: Path, prefix: str, names: list[str] | None, costs: Any = None) -> list[ArmSpec]:
+def make_arms(
+    policy_dir: Path,
+    prefix: str,
+    names: list[str] | None,
+    costs: Any = None,
+    *,
+    peer_log: Any = None,
+    peer_costs: Any = None,
+) -> list[ArmSpec]:
     """Every arm of the race; ``costs`` (a calibration of this machine) adds the ``*-repriced`` arms.
+
+    ``peer_log`` (a step log, for the cold start) and ``peer_costs`` (a
+    :class:`~speckv_policy.objective.CostModel` without probe) add the
+    vLLM-style arm.
 
     Raises
     ------
@@ -112,6 +224,18 @@ def make_arms(policy_dir: Path, prefix: str, names: list[str] | None, costs: Any
         )
     )
     arms.append(ArmSpec("adaedl", policy=adaedl_policy, mode="per-token"))
+    arms.append(ArmSpec("sglang-adaptive", mode="fixed", rule=lambda compression: SGLangStyleSteps()))
+    if peer_log is not None and peer_costs is not None:
+        arms.append(
+            ArmSpec(
+                "vllm-dynamic",
+                mode="fixed",
+                rule=lambda compression: VLLMStyleDynamic(
+                    conditional_acceptance(peer_log, compression),
+                    peer_costs.time_table(np.arange(9))[COMPRESSION_CODES.get(compression, 0)],
+                ),
+            )
+        )
     arms.append(ArmSpec("mlp16", policy=policy_dir / f"{prefix}paper-mlp16.onnx", mode="truncate"))
     for kind in OURS:
         for mode, tag in (("upfront", "upfront"), ("per-token", "pertoken")):
@@ -174,20 +298,37 @@ def unexplained(mismatches: list[str]) -> list[str]:
     return [m for m in mismatches if m.split(" arm ")[0] not in own and f"({NEAR_TIE}:" not in m]
 
 
-def _median_paired_ratio(
+def _paired_ratios(
     by: dict[tuple, dict[str, Any]], pairs: list[tuple], med: dict[str, float], arm: str, ref: str | None
-) -> float | None:
-    """Median over (prompt, repeat) pairs of ``time per token of ref / time per token of arm``."""
+) -> np.ndarray | None:
+    """Per (prompt, repeat) pair, ``time per token of ref / time per token of arm`` (None without both arms)."""
     if ref is None or arm not in med or ref not in med:
         return None
-    v = [
-        by[p + (ref,)]["seconds"]
-        / max(by[p + (ref,)]["tokens"], 1)
-        / (by[p + (arm,)]["seconds"] / max(by[p + (arm,)]["tokens"], 1))
-        for p in pairs
-        if p + (arm,) in by and p + (ref,) in by
-    ]
-    return float(np.median(v))
+    return np.array(
+        [
+            by[p + (ref,)]["seconds"]
+            / max(by[p + (ref,)]["tokens"], 1)
+            / (by[p + (arm,)]["seconds"] / max(by[p + (arm,)]["tokens"], 1))
+            for p in pairs
+            if p + (arm,) in by and p + (ref,) in by
+        ]
+    )
+
+
+#: Paired bootstrap resamples over prompts for the race's confidence intervals.
+RACE_BOOTSTRAP = 2000
+
+
+def _ratio_and_ci(ratios: np.ndarray | None, rng: np.random.Generator) -> tuple[float | None, list[float] | None]:
+    """Median of the paired ratios and its 95% paired-bootstrap CI over prompts (runs resampled whole)."""
+    if ratios is None or len(ratios) == 0:
+        return None, None
+    med = float(np.median(ratios))
+    if len(ratios) < 2:
+        return med, None
+    draws = rng.integers(0, len(ratios), size=(RACE_BOOTSTRAP, len(ratios)))
+    boot = np.median(ratios[draws], axis=1)
+    return med, np.quantile(boot, [0.025, 0.975]).tolist()
 
 
 def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
@@ -213,27 +354,33 @@ def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any
             med = {a: float(np.median(v)) for a, v in ms.items() if v}
             fixed = [a for a in med if a.startswith("fixed-")]
             best_fixed = min(fixed, key=lambda a: med[a]) if fixed else None
+            peers = [a for a in med if a in PEER_RULES]
+            best_peer = min(peers, key=lambda a: med[a]) if peers else None
 
-            cell = {"runs_per_arm": len(pairs), "best_fixed": best_fixed, "arms": {}}
+            cell = {"runs_per_arm": len(pairs), "best_fixed": best_fixed, "best_peer": best_peer, "arms": {}}
             for a in med:
                 dec_s = sum(by[p + (a,)]["decision_s"] for p in pairs if p + (a,) in by)
                 tot_s = sum(by[p + (a,)]["seconds"] for p in pairs if p + (a,) in by)
-                cell["arms"][a] = {
-                    "ms_per_token": med[a],
-                    "tokens_per_second": 1e3 / med[a],
-                    **{
-                        key: _median_paired_ratio(by, pairs, med, a, ref)
-                        for key, ref in (
-                            ("vs_target", "target"),
-                            ("vs_fixed4", "fixed-4"),
-                            ("vs_best_fixed", best_fixed),
-                            ("vs_hf_default", "hf-default"),
-                        )
-                    },
-                    "decision_share": dec_s / tot_s if tot_s > 0 else 0.0,
-                }
+                entry: dict[str, Any] = {"ms_per_token": med[a], "tokens_per_second": 1e3 / med[a]}
+                for key, ref in (
+                    ("vs_target", "target"),
+                    ("vs_fixed4", "fixed-4"),
+                    ("vs_best_fixed", best_fixed),
+                    ("vs_hf_default", "hf-default"),
+                    ("vs_best_peer", best_peer),
+                ):
+                    rng = np.random.default_rng(0)  # the same resamples for every arm and reference
+                    entry[key], entry[key + "_ci"] = _ratio_and_ci(_paired_ratios(by, pairs, med, a, ref), rng)
+                entry["decision_share"] = dec_s / tot_s if tot_s > 0 else 0.0
+                cell["arms"][a] = entry
             cells[(comp, dec, task or "all")] = cell
     return {f"{c}/{d}/{t}": v for (c, d, t), v in cells.items()}
+
+
+def _fmt_ci(v: dict[str, Any], key: str) -> str:
+    """``ratio [lo, hi]`` when the bootstrap CI exists (older JSON has none)."""
+    ci = v.get(key + "_ci")
+    return _fmt(v.get(key)) + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
 
 
 def _fmt(x: float | None) -> str:
@@ -257,7 +404,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"prompts ({cfg['per_task']} per task type), {cfg['max_new_tokens']} new tokens, {cfg['repeats']} "
         f"repeat(s), arms interleaved per prompt; {result['minutes']:.1f} min in all. Figures are medians over "
         "runs of time per output token; ratios are medians of per-run ratios against the same prompt's run of "
-        "the reference (x target = speed-up over the target alone).",
+        "the reference (x target = speed-up over the target alone), with 95% paired bootstrap CIs over prompts "
+        f"({RACE_BOOTSTRAP} resamples of the runs, whole).",
         "",
     ]
     cal = result.get("calibration")
@@ -275,11 +423,13 @@ def markdown(result: dict[str, Any]) -> str:
         if task != "all":
             continue
         bf = cell["best_fixed"]
+        bp = cell.get("best_peer")
         lines += [
-            f"### {comp}, {dec} (best fixed gamma: {bf.split('-')[1] if bf else '-'})",
+            f"### {comp}, {dec} (best fixed gamma: {bf.split('-')[1] if bf else '-'}; best peer rule: {bp or '-'})",
             "",
-            "| arm | tokens/s | ms/token | x target | x fixed 4 | x best fixed | x HF default | decision share |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| arm | tokens/s | ms/token | x target [95% CI] | x fixed 4 | x best fixed [95% CI] | x best peer [95% CI] "
+            "| x HF default | decision share |",
+            "|---|---:|---:|---|---:|---|---|---:|---:|",
         ]
         for a in arms:
             v = cell["arms"].get(a)
@@ -288,8 +438,9 @@ def markdown(result: dict[str, Any]) -> str:
             name = f"**{a}**" if a in ours else a
             share = f"{100 * v['decision_share']:.2f}%" if a in ours or a in ("mlp16", "adaedl") else ""
             lines.append(
-                f"| {name} | {v['tokens_per_second']:.2f} | {v['ms_per_token']:.1f} | {_fmt(v['vs_target'])} | "
-                f"{_fmt(v['vs_fixed4'])} | {_fmt(v['vs_best_fixed'])} | {_fmt(v['vs_hf_default'])} | {share} |"
+                f"| {name} | {v['tokens_per_second']:.2f} | {v['ms_per_token']:.1f} | {_fmt_ci(v, 'vs_target')} | "
+                f"{_fmt(v['vs_fixed4'])} | {_fmt_ci(v, 'vs_best_fixed')} | {_fmt_ci(v, 'vs_best_peer')} | "
+                f"{_fmt(v['vs_hf_default'])} | {share} |"
             )
         lines.append("")
     tasks = sorted({k.split("/")[2] for k in result["summary"]} - {"all"})
@@ -339,11 +490,15 @@ def goals(result: dict[str, Any]) -> list[str]:
         for label, key, goal in (
             ("best fixed gamma", "vs_best_fixed", 1.10),
             ("HF default", "vs_hf_default", 1.15),
+            (f"the best peer rule ({cell.get('best_peer')})", "vs_best_peer", 1.05),
             ("target alone", "vs_target", 1.00),
         ):
             if v.get(key) is not None:
+                ci = v.get(key + "_ci")
                 out.append(
-                    f"{comp} greedy, best of ours ({best}) vs {label}: {v[key]:.2f}x (goal >= {goal:.2f}x) "
+                    f"{comp} greedy, best of ours ({best}) vs {label}: {v[key]:.2f}x"
+                    + (f" [95% CI {ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+                    + f" (goal >= {goal:.2f}x) "
                     + ("MET" if v[key] >= goal else "MISSED")
                 )
         for key, cell_t in s.items():

@@ -69,7 +69,20 @@ def run_once(
     costs = arm.costs
     if isinstance(costs, str) and costs == "live":
         costs = state.setdefault("live_costs", LiveCosts())  # estimates carry over, as a server's would
-    if arm.policy is not None:
+    if arm.rule is not None:  # a history rule (SGLang-, vLLM-style): gamma decided before drafting, no probe
+        rule = state.setdefault("rule", arm.rule(compression))  # kept across the block's prompts, like a server
+        holder: dict[str, Any] = {}
+
+        def gamma_fn(step: int) -> int:
+            stats = holder["handle"].stats
+            for s in stats[holder.get("seen", 0) :]:
+                rule.observe(s.gamma, s.accepted)
+            holder["seen"] = len(stats)
+            return int(rule.gamma())
+
+        handle = attach(target, None, compression=compression, mode="fixed", gamma_fn=gamma_fn)
+        holder["handle"] = handle
+    elif arm.policy is not None:
         handle = attach(
             target,
             arm.policy,
