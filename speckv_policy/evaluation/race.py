@@ -238,32 +238,16 @@ def make_arms(
         )
     arms.append(ArmSpec("mlp16", policy=policy_dir / f"{prefix}paper-mlp16.onnx", mode="truncate"))
     for kind in OURS:
-        for mode, tag in (("upfront", "upfront"), ("per-token", "pertoken")):
-            arms.append(ArmSpec(f"{kind}-{tag}", policy=policy_dir / f"{prefix}{kind}.onnx", mode=mode, group="ours"))
-        arms.append(
-            ArmSpec(
-                f"{kind}-backoff",
-                policy=policy_dir / f"{prefix}{kind}.onnx",
-                mode="upfront",
-                group="ours",
-                backoff=BACKOFF,
-            )
-        )
+        export = policy_dir / f"{prefix}{kind}.onnx"
+        variants: list[tuple[str, dict[str, Any]]] = [
+            ("upfront", {"mode": "upfront"}),
+            ("pertoken", {"mode": "per-token"}),
+            ("backoff", {"mode": "upfront", "backoff": BACKOFF}),
+        ]
         if costs is not None:  # the shipped export, re-priced by a calibration of this machine
-            arms.append(
-                ArmSpec(
-                    f"{kind}-repriced",
-                    policy=policy_dir / f"{prefix}{kind}.onnx",
-                    mode="upfront",
-                    group="ours",
-                    costs=costs,
-                )
-            )
-        arms.append(
-            ArmSpec(
-                f"{kind}-live", policy=policy_dir / f"{prefix}{kind}.onnx", mode="upfront", group="ours", costs="live"
-            )
-        )
+            variants.append(("repriced", {"mode": "upfront", "costs": costs}))
+        variants.append(("live", {"mode": "upfront", "costs": "live"}))
+        arms += [ArmSpec(f"{kind}-{tag}", policy=export, group="ours", **kw) for tag, kw in variants]
     if names:
         unknown = sorted(set(names) - {a.name for a in arms})
         if unknown:
