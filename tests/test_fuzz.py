@@ -20,7 +20,7 @@ from speckv_policy.cli import export as export_cli
 from speckv_policy.evaluation.synthetic import generate_synthetic_log
 from speckv_policy.export import export_onnx
 from speckv_policy.logs import COLUMNS, LogValidationError, read_log, validate_log, write_log
-from speckv_policy.runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
+from speckv_policy.runtime import REQUIRED_METADATA, PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
 from speckv_policy.schema import ONLINE
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -110,16 +110,7 @@ def test_any_feature_vector_gives_a_candidate_or_the_fallback(gbt_export, row):
             strict.decide(np.asarray(row, dtype=np.float32))
 
 
-META_KEYS = [
-    "speckv.format_version",
-    "speckv.feature_set",
-    "speckv.feature_names",
-    "speckv.feature_schema_version",
-    "speckv.candidates",
-    "speckv.compression_codes",
-    "speckv.objective",
-    "speckv.cost_model",
-]
+META_KEYS = [*REQUIRED_METADATA, "speckv.objective", "speckv.cost_model"]
 
 
 @FUZZ

@@ -8,6 +8,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """argparse type: an int >= ``low``."""
@@ -58,3 +60,16 @@ def fail(prog: str, message: object) -> int:
     text = str(message).strip().replace("\n", " ")
     print(f"{prog}: error: {text}", file=sys.stderr)
     return 2
+
+
+def warn_if_one_gamma(name: str, chosen: np.ndarray, prog: str) -> bool:
+    """Print a warning when a learned policy chose one gamma on every held-out step (a degenerate fit)."""
+    values = np.unique(np.asarray(chosen))
+    if len(values) != 1 or name.startswith("fixed"):
+        return False
+    print(
+        f"{prog}: warning: {name} chose gamma {int(values[0])} on every held-out step: check the cost model "
+        "printed above and the log's timings (one bad timing can price every draft out)",
+        file=sys.stderr,
+    )
+    return True

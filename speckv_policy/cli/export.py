@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ..policies import POLICIES
-from .common import exit_cleanly_on_sigterm, fail
+from .common import exit_cleanly_on_sigterm, fail, warn_if_one_gamma
 
 DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 DEFAULT_KIND = "gbt"
@@ -148,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     from ..objective import CostModel
     from ..runtime import RuntimePolicy
     from ..training import fit_from_log, load_saved_policy, make_policy, save_policy
-    from .quickstart import warn_if_one_gamma
 
     t0 = time.perf_counter()
     log = None

@@ -15,23 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import exit_cleanly_on_sigterm, fail, int_at_least
+from .common import exit_cleanly_on_sigterm, fail, int_at_least, warn_if_one_gamma
 
 DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 KINDS = ("mlp", "gbt", "table", "paper-mlp16", "fixed")
-
-
-def warn_if_one_gamma(name: str, chosen: np.ndarray, prog: str) -> bool:
-    """Print a warning when a learned policy chose one gamma on every held-out step (a degenerate fit)."""
-    values = np.unique(np.asarray(chosen))
-    if len(values) != 1 or name.startswith("fixed"):
-        return False
-    print(
-        f"{prog}: warning: {name} chose gamma {int(values[0])} on every held-out step: check the cost model "
-        "printed above and the log's timings (one bad timing can price every draft out)",
-        file=sys.stderr,
-    )
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

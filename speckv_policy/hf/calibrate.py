@@ -150,8 +150,3 @@ def calibrate(
             raise ValueError(f"{comp}: the budget timed fewer than two gammas; give more --seconds")
     steps = pd.DataFrame(rows)
     return CostModel.fit(steps, device=cfg.device, min_rows=3), steps
-
-
-def target_alone_ms(cost: CostModel) -> list[float]:
-    """Per compression code, the modelled time of a plain target step (gamma 0)."""
-    return [float(cost.step_ms(0, c)) for c in range(3)]

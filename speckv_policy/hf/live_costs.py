@@ -15,6 +15,8 @@ moving it much.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from typing import Any
 
@@ -51,53 +53,70 @@ class LiveCosts:
         self.code = 0
         self._draft: dict[int, deque[float]] = {}
         self._verify: dict[int, deque[float]] = {}
+        self._draft_median: dict[int, float] = {}  # median of each deque, updated when it changes
+        self._verify_median: dict[int, float] = {}
         self.observations = 0
 
     def start(self, prior: CostModel, code: int) -> None:
         """Begin estimating the costs of compression ``code`` from ``prior``."""
         self.prior = CostModel.load(self.prior_source) if self.prior_source is not None else prior
         self.code = int(code)
+        self._prior_draft: dict[int, float] = {}  # memos: this runs after every step, keep it to dict lookups
+        self._prior_verify: dict[int, float] = {}
+        self._tables: dict[tuple[int, ...], np.ndarray] = {}
 
     def observe(self, drafted: int, draft_ms: float, verified: int, verify_ms: float) -> None:
         """One finished step: ``drafted`` tokens drafted in ``draft_ms``, ``verified`` draft tokens checked."""
-        if drafted > 0 and np.isfinite(draft_ms) and draft_ms > 0:
-            self._draft.setdefault(int(drafted), deque(maxlen=self.window)).append(float(draft_ms))
-        if verified >= 0 and np.isfinite(verify_ms) and verify_ms > 0:
-            self._verify.setdefault(int(verified), deque(maxlen=self.window)).append(float(verify_ms))
+        if drafted > 0 and math.isfinite(draft_ms) and draft_ms > 0:
+            obs = self._draft.setdefault(int(drafted), deque(maxlen=self.window))
+            obs.append(float(draft_ms))
+            self._draft_median[int(drafted)] = statistics.median(obs)
+        if verified >= 0 and math.isfinite(verify_ms) and verify_ms > 0:
+            obs = self._verify.setdefault(int(verified), deque(maxlen=self.window))
+            obs.append(float(verify_ms))
+            self._verify_median[int(verified)] = statistics.median(obs)
         self.observations += 1
 
-    def _blend(self, seen: dict[int, deque[float]], prior: dict[int, float], wanted: list[int]) -> dict[int, float]:
-        ratios = [np.median(v) / prior[k] for k, v in seen.items() if k in prior and prior[k] > 0]
-        scale = float(np.median(ratios)) if ratios else 1.0
+    def _prior(self, memo: dict[int, float], fn: Any, k: int) -> float:
+        if k not in memo:
+            memo[k] = float(fn(k, self.code))
+        return memo[k]
+
+    def _blend(
+        self,
+        seen: dict[int, deque[float]],
+        medians: dict[int, float],
+        memo: dict[int, float],
+        fn: Any,
+        wanted: list[int],
+    ) -> dict[int, float]:
+        ratios = [m / p for k, m in medians.items() if (p := self._prior(memo, fn, k)) > 0]
+        scale = statistics.median(ratios) if ratios else 1.0
         out = {}
         for k in wanted:
-            base = prior[k] * scale
-            obs = seen.get(k)
-            if obs:
-                n = len(obs)
-                out[k] = (n * float(np.median(obs)) + self.prior_weight * base) / (n + self.prior_weight)
-            else:
-                out[k] = base
+            base = self._prior(memo, fn, k) * scale
+            n = len(seen[k]) if k in seen else 0
+            out[k] = (n * medians[k] + self.prior_weight * base) / (n + self.prior_weight) if n else base
         return out
 
     def step_ms(self, candidates: np.ndarray) -> np.ndarray:
         """Estimated step time of each candidate gamma at this level (the prior's probe rule included)."""
         if self.prior is None:
             raise RuntimeError("LiveCosts.start() was not called")
-        cm, c = self.prior, self.code
+        cm = self.prior
         cands = [int(g) for g in candidates]
         ks = sorted({max(g, cm.decision_draft_tokens) for g in cands} - {0})
-        top = max(cands + ks + list(self._draft) + list(self._verify)) + 1
-        prior_draft = {k: float(cm.draft_ms(k, c)) for k in range(1, top)}
-        prior_verify = {g: float(cm.verify_ms(g, c)) for g in range(top)}
-        draft = self._blend(self._draft, prior_draft, ks)
-        verify = self._blend(self._verify, prior_verify, sorted(set(cands)))
+        draft = self._blend(self._draft, self._draft_median, self._prior_draft, cm.draft_ms, ks)
+        verify = self._blend(self._verify, self._verify_median, self._prior_verify, cm.verify_ms, sorted(set(cands)))
         return np.array([cm.overhead_ms + draft.get(max(g, cm.decision_draft_tokens), 0.0) + verify[g] for g in cands])
 
     def table(self, candidates: np.ndarray) -> np.ndarray:
         """``(3, G)`` step times for :meth:`RuntimePolicy.set_step_times`: the prior's, with this level live."""
         if self.prior is None:
             raise RuntimeError("LiveCosts.start() was not called")
-        t = self.prior.time_table(candidates).astype(np.float64)
+        key = tuple(int(g) for g in candidates)
+        if key not in self._tables:
+            self._tables[key] = self.prior.time_table(candidates).astype(np.float64)
+        t = self._tables[key].copy()
         t[self.code] = self.step_ms(candidates)
         return t
