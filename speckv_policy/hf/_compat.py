@@ -16,11 +16,13 @@ Set ``SPECKV_ALLOW_UNTESTED_TRANSFORMERS=1`` to try an untested version anyway
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers.generation import candidate_generator as _cg
@@ -39,6 +41,9 @@ __all__ = [
     "sync_draft_inputs",
     "prepare_generation_args",
     "generate_candidates",
+    "lean_draft_blocker",
+    "new_draft_cache",
+    "cache_keyword",
 ]
 
 #: The transformers versions the hook was tested on: ``(lowest, first excluded)``.
@@ -157,3 +162,50 @@ def prepare_generation_args(
 def generate_candidates(generator: AssistedCandidateGenerator, generation_args: dict[str, Any]) -> tuple[Any, Any]:
     """Run the draft: ``(ids including the context, logits of the new tokens)``."""
     return generator._generate_candidates(generation_args)
+
+
+# -- the lean draft loop: the draft model's own forward calls and cache ------------------------
+def cache_keyword(model: Any) -> str:
+    """Name of the forward argument that takes the KV cache (``cache`` in recent 5.x, ``past_key_values`` before)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_draft_cache(model: Any) -> Any:
+    """An empty ``DynamicCache`` for ``model``'s decoder."""
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def lean_draft_blocker(model: Any, assistant_kwargs: dict[str, Any]) -> str | None:
+    """Why the lean draft loop cannot draft for ``model`` (None when it can).
+
+    The loop handles decoder-only drafts whose cache is made of full-attention
+    dynamic layers (they crop exactly) and whose only extra input is an
+    attention mask of ones; anything else keeps transformers' ``generate`` path.
+    """
+    if model.config.is_encoder_decoder:
+        return "encoder-decoder draft"
+    extra = sorted(
+        k
+        for k, v in assistant_kwargs.items()
+        if v is not None
+        and k not in ("attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values")
+    )
+    if extra:
+        return f"draft inputs {', '.join(extra)}"
+    mask = assistant_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        return "padded attention mask"
+    pos = assistant_kwargs.get("position_ids")
+    if pos is not None and not (
+        pos.dim() == 2 and bool((pos[0] == torch.arange(pos.shape[1], device=pos.device)).all())
+    ):
+        return "position ids other than 0, 1, 2, ..."
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(new_draft_cache(model), "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return "draft cache with sliding-window, linear-attention or static layers"
+    return None

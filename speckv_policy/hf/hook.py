@@ -9,8 +9,10 @@
 (through :mod:`speckv_policy.hf._compat`, the only place that touches
 transformers' private internals) so that assisted generation drafts through
 :class:`SpeckvCandidateGenerator`, a subclass of transformers'
-``AssistedCandidateGenerator``. Verification, acceptance (greedy match or
-rejection sampling) and cache handling stay Hugging Face's own code, so the
+``AssistedCandidateGenerator``. It drafts with the draft's own cached forward
+calls (:class:`~speckv_policy.hf.lean_draft.LeanDraft`) where it can, else
+through the draft's ``generate()``. Verification, acceptance (greedy match or
+rejection sampling) and the target's cache stay Hugging Face's own code, so the
 output is the target's whatever gamma the policy picks.
 
 Decision modes
@@ -53,9 +55,11 @@ from ..runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, PolicyLoadE
 from ..schema import COMPRESSIONS, ONLINE, PAPER, FeatureSet, compression_code, get_feature_set
 from . import _compat
 from ._compat import AssistedCandidateGenerator
+from .lean_draft import LeanDraft
 from .live_costs import LiveCosts
 
 MODES = ("upfront", "per-token", "truncate", "fixed")
+DRAFT_LOOPS = ("lean", "generate")
 DEFAULT_MAX_GAMMA = 8
 
 
@@ -220,6 +224,8 @@ class _Controller:
         self.live: LiveCosts | None = None
         self._skip = 0  # plain steps left before the next probe
         self._backoff = 0  # current back-off length
+        self.draft_loop = "lean"
+        self.draft_loop_used = ""
 
     # -- sequence / step bookkeeping --------------------------------------
     def begin(self, generation_config: Any, device: torch.device) -> None:
@@ -360,6 +366,20 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         self.assistant_generation_config.num_assistant_tokens_schedule = "constant"
         self.num_assistant_tokens = controller.max_gamma
         controller.begin(self.generation_config, self.assistant_model.device)
+        self.lean: LeanDraft | None = None
+        why = "draft_loop='generate'"
+        if controller.draft_loop == "lean":
+            why = _compat.lean_draft_blocker(self.assistant_model, self.assistant_kwargs)
+            if why is None:
+                gc = self.generation_config
+                self.lean = LeanDraft(
+                    self.assistant_model,
+                    self.logits_processor,
+                    bool(gc.do_sample),
+                    gc.eos_token_id,
+                    self.main_model_min_length or 0,
+                )
+        controller.draft_loop_used = "lean" if self.lean is not None else f"generate ({why})"
 
     def get_candidates(
         self, input_ids: torch.LongTensor, **kwargs: Any
@@ -377,14 +397,19 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         if cap <= 0:
             c._verify_t0 = c.clock()
             return input_ids, None
-        self.num_assistant_tokens = cap
-        min_new, max_new = _compat.calculate_new_tokens(self, input_ids)
-        _compat.sync_draft_inputs(self, input_ids)  # also after steps that skipped the draft
-        args = _compat.prepare_generation_args(self, input_ids, min(min_new, max_new), max_new)
         if c.mode in ("upfront", "per-token"):
             c._kept = 0
-            args["stopping_criteria"] = StoppingCriteriaList([_PolicyStop(c, cur)])
-        ids, logits = _compat.generate_candidates(self, args)
+        if self.lean is not None:
+            stop = c.on_draft_token if c.mode in ("upfront", "per-token") else None
+            ids, logits = self.lean.draft(input_ids, cap, stop)
+        else:
+            self.num_assistant_tokens = cap
+            min_new, max_new = _compat.calculate_new_tokens(self, input_ids)
+            _compat.sync_draft_inputs(self, input_ids)  # also after steps that skipped the draft
+            args = _compat.prepare_generation_args(self, input_ids, min(min_new, max_new), max_new)
+            if c.mode in ("upfront", "per-token"):
+                args["stopping_criteria"] = StoppingCriteriaList([_PolicyStop(c, cur)])
+            ids, logits = _compat.generate_candidates(self, args)
         gamma = c.finish_draft(logits)
         c.after_probe(gamma)
         step = c.current
@@ -425,6 +450,11 @@ class SpeckvHandle:
     @property
     def stats(self) -> list[StepStats]:
         return self._controller.stats
+
+    @property
+    def draft_loop(self) -> str:
+        """How the last assisted ``generate`` drafted: ``'lean'``, or ``'generate (why)'``; empty before one ran."""
+        return self._controller.draft_loop_used
 
     @property
     def live_costs(self) -> LiveCosts | None:
@@ -525,6 +555,7 @@ def attach(
     sync_cuda: bool = True,
     probe_backoff: int = 0,
     costs: Any = None,
+    draft_loop: str = "lean",
 ) -> SpeckvHandle:
     """Make ``target.generate(..., assistant_model=draft)`` consult a gamma policy.
 
@@ -570,6 +601,14 @@ def attach(
         estimates of the draft and verification times this generation
         measures. Needs an ONNX export (a path or a RuntimePolicy, which is
         then copied, not changed) that maximises tokens per second.
+    draft_loop : {'lean', 'generate'}, default='lean'
+        ``'lean'`` drafts with the draft model's own cached forward calls
+        (:class:`~speckv_policy.hf.lean_draft.LeanDraft`), skipping the
+        ~milliseconds ``assistant_model.generate()`` spends per step on set-up;
+        drafts it cannot serve (encoder-decoder, sliding-window or linear
+        attention caches, extra draft inputs, padded masks) use
+        ``'generate'``, transformers' own drafting call, which is also
+        selectable. :attr:`SpeckvHandle.draft_loop` says which one ran.
 
     Returns
     -------
@@ -583,6 +622,8 @@ def attach(
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if draft_loop not in DRAFT_LOOPS:
+        raise ValueError(f"unknown draft_loop {draft_loop!r}; expected one of {', '.join(DRAFT_LOOPS)}")
     if fallback_gamma is not None and (
         isinstance(fallback_gamma, bool) or not isinstance(fallback_gamma, (int, np.integer)) or fallback_gamma < 0
     ):
@@ -626,6 +667,7 @@ def attach(
         raise RuntimeError("a speckv policy is already attached to this model; detach() it first")
     controller = _Controller(decider, mode, compression, gamma_fn, record_tokens, sync_cuda)
     controller.probe_backoff = int(probe_backoff)
+    controller.draft_loop = draft_loop
     if costs is not None:
         controller.live = _price(decider, costs, compression, mode)
     original = _compat.default_candidate_generator(target)

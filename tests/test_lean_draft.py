@@ -1,0 +1,132 @@
+"""The lean draft loop: same steps as transformers' generate() path, processed scores, fallbacks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+from speckv_policy.hf import attach, hook
+from speckv_policy.hf.lean_draft import LeanDraft
+from speckv_policy.testing import tiny_llama_pair
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama_pair(seed=0)
+
+
+def _run(target, draft, ids, n_new, gammas, mode, loop, backoff=0):
+    it = itertools.cycle(gammas)
+    fs = "paper" if mode == "truncate" else "online"
+    kw = {"gamma_fn": lambda s: next(it)} if mode == "fixed" else {"feature_set": fs}
+    if backoff:
+        kw["probe_backoff"] = backoff
+    with attach(target, lambda f: next(it), compression="fp32", mode=mode, max_gamma=8, draft_loop=loop, **kw) as h:
+        out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=draft)
+    return out, [(s.gamma, s.drafted, s.accepted, s.skipped) for s in h.stats], h.draft_loop
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gammas=st.lists(st.integers(0, 8), min_size=1, max_size=10),
+    mode=st.sampled_from(["upfront", "per-token", "truncate", "fixed"]),
+    prompt=st.lists(st.integers(1, 63), min_size=1, max_size=10),
+    n_new=st.integers(1, 36),
+    backoff=st.sampled_from([0, 3]),
+)
+def test_lean_loop_takes_the_same_steps_as_transformers_generate_path(pair, gammas, mode, prompt, n_new, backoff):
+    """Same draft tokens => same gamma, drafted and accepted counts at every step, in every mode,
+    across rejections, dropped probes and plain steps: the lean cache never goes stale."""
+    target, draft = pair
+    ids = torch.tensor([prompt])
+    backoff = backoff if mode in ("upfront", "per-token") else 0
+    lean = _run(target, draft, ids, n_new, gammas, mode, "lean", backoff)
+    slow = _run(target, draft, ids, n_new, gammas, mode, "generate", backoff)
+    assert lean[2] == "lean" and slow[2].startswith("generate")
+    assert torch.equal(lean[0], slow[0])
+    assert torch.equal(lean[0], target.generate(ids, max_new_tokens=n_new, do_sample=False))
+    assert lean[1] == slow[1]
+
+
+def test_lean_loop_reuses_its_cache(pair):
+    target, draft = pair
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    made = []
+    real = hook.LeanDraft
+
+    class Spy(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    hook.LeanDraft = Spy
+    try:
+        out, steps, _ = _run(target, draft, ids, 40, [3, 0, 5, 2, 8], "fixed", "lean")
+    finally:
+        hook.LeanDraft = real
+    (lean,) = made
+    drafted = sum(s[1] for s in steps)
+    assert lean.forwards == drafted  # one forward per draft token, no re-prefill
+    # each token of the final sequence is fed at most once, plus rejected drafts and one re-feed per step
+    assert ids.shape[1] <= lean.fed <= out.shape[1] + drafted
+    assert lean.fed < ids.shape[1] + sum(ids.shape[1] + i for i in range(out.shape[1] - ids.shape[1]))
+
+
+def test_lean_scores_are_the_processed_distribution_it_samples_from(pair):
+    """Speculative sampling takes q from the returned scores, so they must be exactly what each token
+    was drawn from: the target's logits processors applied once to the draft's logits."""
+    _, draft = pair
+    procs = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)]
+    ids = torch.tensor([[1, 2, 3]])
+    lean = LeanDraft(draft, procs, do_sample=True, eos_token_id=None)
+    torch.manual_seed(0)
+    out, scores = lean.draft(ids, 4)
+    assert out.shape == (1, 7) and scores.shape == (1, 4, draft.config.vocab_size)
+    with torch.no_grad():
+        raw = draft(out).logits[0].float()
+    for k in range(4):
+        pos = ids.shape[1] - 1 + k
+        want = LogitsProcessorList(procs)(out[:, : pos + 1], raw[pos : pos + 1].clone())[0]
+        assert torch.equal(torch.isfinite(scores[0, k]), torch.isfinite(want))
+        fin = torch.isfinite(want)
+        assert torch.allclose(scores[0, k][fin], want[fin], atol=1e-4)
+        assert torch.isfinite(scores[0, k, out[0, pos + 1]])  # the drawn token had q > 0
+    assert int(torch.isfinite(scores[0, 0]).sum()) == 5  # top-k applied once
+
+
+def test_lean_loop_stops_at_eos_and_respects_min_length(pair):
+    _, draft = pair
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        first = int(draft(ids).logits[0, -1].argmax())
+    ids_out, _ = LeanDraft(draft, [], do_sample=False, eos_token_id=first).draft(ids, 6)
+    assert ids_out.shape[1] == 4  # stopped right after the end-of-sequence token
+    ids_out, scores = LeanDraft(draft, [], do_sample=False, eos_token_id=first, min_length=10).draft(ids, 6)
+    assert ids_out.shape[1] == 9 and first not in ids_out[0, 3:].tolist()
+    assert torch.isinf(scores[0, :, first]).all()
+    with pytest.raises(ValueError, match="max_new"):
+        LeanDraft(draft, [], do_sample=False, eos_token_id=None).draft(ids, 0)
+
+
+def test_unsupported_inputs_use_the_generate_path_and_say_so(pair):
+    target, draft = pair
+    ids = torch.tensor([[0, 4, 5, 6]])
+    mask = torch.tensor([[0, 1, 1, 1]])  # a padded single sequence
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 3) as h:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    assert h.draft_loop == "generate (padded attention mask)"
+    with pytest.raises(ValueError, match="unknown draft_loop"):
+        attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 3, draft_loop="fast")
