@@ -53,6 +53,8 @@ def _in_generation(exported: str, report) -> None:
         print(f"(in-generation timing skipped: {exc})")
         return
     target = load_model("smollm2", "fp32")
+    draft_dir = Path("datasets/smollm2/draft")
+    draft = load_model(str(draft_dir), "fp32") if draft_dir.is_dir() else None
     prompts = [
         "Write a Python function that checks whether a string is a palindrome.",
         "Explain in two sentences why the sky is blue.",
@@ -60,7 +62,7 @@ def _in_generation(exported: str, report) -> None:
     for path in sorted(Path(exported).glob("*.onnx")):
         if "paper" in path.stem:
             continue  # truncate mode drafts gamma_max first; timed the same way below would mix modes
-        times = []
+        times, upfront = [], []
         for text in prompts:
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
@@ -70,7 +72,13 @@ def _in_generation(exported: str, report) -> None:
             with attach(target, str(path), compression="fp32", mode="per-token") as h:
                 target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=target)
             times += [s.decision_us / max(s.drafted, 1) for s in h.stats if s.drafted]
+            if draft is not None:  # the shipped set-up: distilled draft, one decision per step after the probe
+                with attach(target, str(path), compression="fp32", mode="upfront") as h:
+                    target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
+                upfront += [s.decision_us for s in h.stats if s.drafted]
         report(path.stem, "inside generate (SmolLM2-135M fp32, per-token mode, us per decision)", np.asarray(times))
+        if upfront:
+            report(path.stem, "inside generate (distilled draft, upfront mode, us per decision)", np.asarray(upfront))
 
 
 def _after_forward(exported: str, report) -> None:

@@ -84,6 +84,7 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
         "fixed-4",
         "fixed-6",
         "fixed-8",
+        "hf-fixed-4",
         "hf-default",
         "hf-heuristic",
         "adaedl",
@@ -149,7 +150,7 @@ def test_adaedl_rule():
 
 def test_unexplained_mismatches():
     ms = [
-        "int8 p1 repeat 0 arm fixed-4: first difference at output token 3",
+        "int8 p1 repeat 0 arm hf-fixed-4: first difference at output token 3",
         "int8 p1 repeat 0 arm gbt-upfront: first difference at output token 3",
         "fp32 p2 repeat 0 arm gbt-upfront: first difference at output token 1",
     ]

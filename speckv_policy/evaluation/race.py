@@ -15,8 +15,10 @@ held-out prompts, interleaved (every arm on one prompt, then the next prompt; th
 rotates from prompt to prompt so no arm always runs first):
 
 * ``target``: the target alone;
-* ``fixed-{2,4,6,8}``: Hugging Face assisted generation with a constant draft length and the
-  confidence stop switched off (HF's own code);
+* ``fixed-{2,4,6,8}``: a constant draft length, drafted by the same hook and lean draft loop as
+  every policy arm (so "x best fixed" measures the policy, not the drafting machinery);
+  ``hf-fixed-4``: gamma 4 in HF's own assisted generation (the draft's ``generate()`` every step,
+  confidence stop off), to show what the machinery costs;
 * ``hf-default``: HF's defaults (up to 20 draft tokens, stop under draft confidence 0.4, the
   threshold re-tuned online by HF), untouched; ``hf-heuristic``: HF's ``heuristic`` schedule
   (+2 after a fully accepted draft, -1 otherwise; confidence stop off). HF keeps both states
@@ -165,6 +167,19 @@ def conditional_acceptance(log: Any, compression: str, max_gamma: int = 8) -> np
     return p
 
 
+class ConstantGamma:
+    """The fixed-gamma rule: always ``gamma``, whatever was accepted."""
+
+    def __init__(self, gamma: int) -> None:
+        self.value = int(gamma)
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        """Nothing to learn."""
+
+    def gamma(self) -> int:
+        return self.value
+
+
 @dataclass
 class ArmSpec:
     """One strategy: how to configure the draft and (optionally) attach a policy."""
@@ -202,7 +217,11 @@ def make_arms(
     """
     off = {"num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
     arms = [ArmSpec("target", assistant=False)]
-    arms += [ArmSpec(f"fixed-{g}", hf={**off, "num_assistant_tokens": g}, group="fixed") for g in (2, 4, 6, 8)]
+    arms += [
+        ArmSpec(f"fixed-{g}", mode="fixed", rule=lambda compression, g=g: ConstantGamma(g), group="fixed")
+        for g in (2, 4, 6, 8)
+    ]
+    arms.append(ArmSpec("hf-fixed-4", hf={**off, "num_assistant_tokens": 4}))
     arms.append(
         ArmSpec(
             "hf-default",
@@ -264,7 +283,7 @@ def make_arms(
 
 #: Generation-config fields of the draft that HF's own strategies keep between calls.
 HF_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-HF_OWN = ("fixed-", "hf-")
+HF_OWN = ("hf-",)
 
 
 NEAR_TIE = "near tie"
@@ -275,7 +294,7 @@ def unexplained(mismatches: list[str]) -> list[str]:
 
     With a target whose k-token verification is not bit-identical to k single steps (bitsandbytes
     INT8 / NF4 on CPU), assisted decoding can depart from plain greedy. Such a difference is
-    explained when HF's own assisted arms (fixed-*, hf-*) differ on the same prompt and repeat too,
+    explained when HF's own assisted arms (hf-*) differ on the same prompt and repeat too,
     or when :func:`chunking_noise` marked it as a near tie; anything else counts as a failure.
     """
     own = {m.split(" arm ")[0] for m in mismatches if m.split(" arm ")[1].startswith(HF_OWN)}
@@ -450,7 +469,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"{len(result['mismatches'])} greedy run(s) differ from the target's own greedy output; "
             f"{len(bad)} of them unexplained, i.e. neither on a prompt where HF's own assisted arms "
-            "(fixed-*, hf-*) differ too nor a near tie (the target's own logit gap there no larger than "
+            "(hf-*) differ too nor a near tie (the target's own logit gap there no larger than "
             "the change a multi-token pass makes to its logits): a target whose multi-token verification "
             "is not bit-identical to single steps, see docs/hf_hook.md:"
         )

@@ -93,7 +93,9 @@ class StepStats:
     ``gamma`` is the number of draft tokens sent to verification, ``drafted``
     the number the draft produced (more when a probe or truncation dropped
     some), ``accepted`` how many the target kept, ``skipped`` whether probe
-    back-off made it a plain step without asking the policy. Times in ms / us.
+    back-off made it a plain step without asking the policy. Times in ms / us;
+    ``decision_us`` counts computing the features from the draft's scores and
+    the policy call.
     """
 
     generation: int
@@ -258,8 +260,8 @@ class _Controller:
             torch.cuda.synchronize(self._device)
         return time.perf_counter()
 
-    def _decide(self, features: Any) -> int:
-        t = time.perf_counter()
+    def _decide(self, features: Any, t: float) -> int:
+        """Ask the policy; ``t`` is when computing its features began (a decision's cost includes them)."""
         g, fell_back = self.decider(features)  # type: ignore[misc]
         assert self.current is not None
         self.current.decision_us += (time.perf_counter() - t) * 1e6
@@ -276,15 +278,16 @@ class _Controller:
     def on_draft_token(self, k: int, logits: torch.Tensor, context_len: int) -> bool:
         """Called after draft token ``k`` (1-based); returns True to stop drafting."""
         assert self.state is not None
+        t = time.perf_counter()
         if self.mode == "upfront":
             if k == 1:
                 conf, ent = draft_token_stats_from_logits(logits)
-                self._plan = self._decide(self.state.features(float(conf), float(ent), context_len))
+                self._plan = self._decide(self.state.features(float(conf), float(ent), context_len), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
         # per-token: would a step starting from this token's distribution draft?
         conf, ent = draft_token_stats_from_logits(logits)
-        g = self._decide(self.state.features(float(conf), float(ent), context_len))
+        g = self._decide(self.state.features(float(conf), float(ent), context_len), t)
         if g >= 1:
             self._kept = k
         return g < 2 or k >= self.max_gamma
@@ -293,8 +296,9 @@ class _Controller:
         """Number of drafted tokens to send for verification."""
         drafted = logits.shape[1]
         if self.mode == "truncate":
+            t = time.perf_counter()
             conf, ent = draft_token_stats_from_logits(logits[0])
-            g = self._decide(paper_features(conf.cpu().numpy(), ent.cpu().numpy(), self.compression))
+            g = self._decide(paper_features(conf.cpu().numpy(), ent.cpu().numpy(), self.compression), t)
             return min(g, drafted)
         if self.mode == "fixed":
             return drafted
