@@ -74,10 +74,8 @@ def draft_token_stats_from_logits(logits: Any) -> tuple[Any, Any]:
     ``-inf`` entries (tokens removed by top-k / top-p) are handled exactly.
     """
     if _is_torch(logits):
-        import torch  # only reached with a torch tensor, so torch is installed
-
         p = logits.detach().float().softmax(-1)  # four full-vocabulary passes in all: it sits on the step's path
-        return p.amax(-1), torch.special.entr(p).sum(-1).clamp_min(0.0)
+        return p.amax(-1), (-p.xlogy(p).sum(-1)).clamp_min(0.0)
     z = np.asarray(logits, dtype=np.float64)
     z = z - z.max(axis=-1, keepdims=True)
     e = np.exp(z)

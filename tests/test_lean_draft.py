@@ -130,3 +130,33 @@ def test_unsupported_inputs_use_the_generate_path_and_say_so(pair):
     assert h.draft_loop == "generate (padded attention mask)"
     with pytest.raises(ValueError, match="unknown draft_loop"):
         attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 3, draft_loop="fast")
+
+
+@pytest.mark.parametrize("loop", ["lean", "generate"])
+def test_drafts_are_the_drafts_own_greedy_continuation_after_rejections_and_plain_steps(pair, loop):
+    """Regression: a rejected draft token followed by plain (gamma 0) steps once stayed in the generate() path's
+    cache, and the draft proposed from a context with a hole (token 23 where the draft's own argmax is 55)."""
+    target, draft = pair
+    seen = []
+    real = hook.SpeckvCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, **kw):
+        out = real(self, input_ids, **kw)
+        seen.append((input_ids.clone(), out[0].clone()))
+        return out
+
+    hook.SpeckvCandidateGenerator.get_candidates = spy
+    try:
+        _run(target, draft, torch.tensor([[1, 1]]), 24, [0, 0, 2], "fixed", loop)
+    finally:
+        hook.SpeckvCandidateGenerator.get_candidates = real
+    checked = 0
+    for ctx, cand in seen:
+        ids = ctx
+        for tok in cand[0, ctx.shape[1] :].tolist():
+            with torch.no_grad():
+                want = int(draft(ids).logits[0, -1].argmax())  # no cache at all
+            assert tok == want, (loop, ctx.tolist())
+            ids = torch.cat([ids, torch.tensor([[tok]])], 1)
+            checked += 1
+    assert checked >= 8

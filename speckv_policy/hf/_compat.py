@@ -39,6 +39,7 @@ __all__ = [
     "default_candidate_generator",
     "calculate_new_tokens",
     "sync_draft_inputs",
+    "crop_draft_cache",
     "prepare_generation_args",
     "generate_candidates",
     "lean_draft_blocker",
@@ -141,15 +142,35 @@ def sync_draft_inputs(generator: AssistedCandidateGenerator, input_ids: Any) -> 
 
     transformers only syncs the masks when a draft cache exists; after steps
     that skipped the draft there is none, so they are brought to the current
-    length here.
+    length here. transformers also assumes the cache lacks at most the last
+    two tokens; after steps that skipped the draft it lacks more, and the
+    draft's ``generate`` would then draft from a context with holes, so such a
+    stale cache is dropped (the draft re-reads the context).
     """
+    cur = input_ids.shape[-1]
+    for key in ("cache", "past_key_values"):
+        cache = generator.assistant_kwargs.get(key)
+        if cache is not None and cache.get_seq_length() < cur - 2:
+            generator.assistant_kwargs[key] = None
     if generator._update_past_and_masks(input_ids):
         return
-    cur = input_ids.shape[-1]
     enc_dec = generator.assistant_model.config.is_encoder_decoder
     kw = _cg._prepare_attention_mask(generator.assistant_kwargs, cur, enc_dec)
     kw = _cg._prepare_position_ids(kw, cur, enc_dec)
     generator.assistant_kwargs = _cg._prepare_token_type_ids(kw, cur)
+
+
+def crop_draft_cache(generator: AssistedCandidateGenerator, length: int) -> None:
+    """Crop the draft's cache to its first ``length`` positions (the tokens the target has verified).
+
+    Without it, a rejected draft token stays in the cache whenever the next
+    steps skip the draft: transformers crops to "all but the last two tokens",
+    which then still covers the rejected position.
+    """
+    for key in ("cache", "past_key_values"):
+        cache = generator.assistant_kwargs.get(key)
+        if cache is not None and cache.get_seq_length() > length:
+            cache.crop(length - cache.get_seq_length())
 
 
 def prepare_generation_args(

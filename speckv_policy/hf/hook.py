@@ -428,6 +428,9 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         return ids[:, : cur + gamma], logits[:, :gamma]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        step = self.controller.current
+        if self.lean is None and step is not None:  # the generate() path: keep only verified draft positions
+            _compat.crop_draft_cache(self, step.context_len + min(int(num_matches), step.gamma))
         self.controller.end_step(int(num_matches))
 
 
