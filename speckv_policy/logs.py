@@ -1,15 +1,24 @@
 """Step logs: one row per speculation step, stored as Parquet.
 
+A log is a single Parquet file or a **log dataset**: a directory of Parquet
+part files, one per unit of work (a run x prompt), partitioned Hive-style by
+compression (``DIR/compression=nf4/part-<hash>.parquet``) beside a
+``_speckv_log.json`` marker with the schema version and the log's metadata.
+pandas, ``pyarrow.dataset``, Spark and Ray Data read such a directory as it is;
+appending a part costs the part, not the log.
+
 The schema version sits in the Parquet file's key-value metadata under
 ``speckv.log_schema_version``. :func:`validate_log` names the file, row and
 column of every problem. Writes are atomic: data goes to a temporary file in
-the destination folder, which is then renamed over the target, so a crash
-never leaves a half-written log in place of a good one.
+the destination folder (named with a leading dot, which dataset readers skip),
+which is then renamed over the target, so a crash never leaves a half-written
+log or part in place of a good one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -19,9 +28,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from .atomic import atomic_write
+from .atomic import atomic_write, atomic_write_text
 from .schema import COMPRESSIONS, DECODINGS, TASK_TYPES
 
 LOG_SCHEMA_VERSION = 1
@@ -235,6 +245,10 @@ def append_log(
 ) -> pd.DataFrame:
     """Append rows to the log at ``path`` (created if absent), atomically.
 
+    ``path`` may be a log dataset directory (see :func:`is_dataset_path`): the
+    rows are then written as part files (:func:`write_log_parts`), O(new rows).
+    A single file is rewritten whole, O(log).
+
     ``metadata`` (``speckv.``-prefixed in the file) is recorded when the log is
     created; an existing log keeps the metadata it has.
 
@@ -243,6 +257,8 @@ def append_log(
     """
     new = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     path = Path(path)
+    if is_dataset_path(path):
+        return write_log_parts(path, new, metadata=metadata)
     with _append_lock(path):  # two processes appending to one log: one at a time, so no unit is lost
         meta: dict[str, str] = dict(metadata or {})
         if path.exists():
@@ -270,7 +286,9 @@ def _append_lock(path: Path) -> Iterator[None]:
 
 
 def read_log_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
-    """The metadata a Parquet log was written with (``speckv.`` prefix and schema version left out)."""
+    """The metadata a Parquet log or log dataset was written with (``speckv.`` prefix and schema version left out)."""
+    if Path(path).is_dir():
+        return dict(_read_marker(Path(path))["metadata"])
     return {
         k.removeprefix("speckv."): v for k, v in _file_metadata(Path(path)).items() if k != "speckv.log_schema_version"
     }
@@ -282,7 +300,7 @@ def _file_metadata(path: Path) -> dict[str, str]:
 
 
 def read_log(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """Read and validate a step log (``.parquet`` or ``.csv``).
+    """Read and validate a step log (``.parquet``, ``.csv`` or a log dataset directory).
 
     CSV files hold the per-token columns as JSON arrays, e.g. ``[0.91, 0.42]``.
 
@@ -296,6 +314,8 @@ def read_log(path: str | os.PathLike[str]) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"step log not found: {path}")
+    if path.is_dir():
+        return read_log_dataset(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":
         return read_csv_log(path)
@@ -350,3 +370,129 @@ def write_csv_log(df: pd.DataFrame, path: str | os.PathLike[str]) -> None:
     for col in LIST_COLUMNS:
         out[col] = [json.dumps([float(x) for x in v]) for v in out[col]]
     atomic_write(path, lambda tmp: out.to_csv(tmp, index=False))
+
+
+# -- log datasets: a directory of part files ---------------------------------------------------
+DATASET_MARKER = "_speckv_log.json"
+DATASET_FORMAT = "speckv-step-log-dataset"
+PARTITION_COLUMN = "compression"
+_PART_SCHEMA = pa.schema([f for f in ARROW_SCHEMA if f.name != PARTITION_COLUMN])
+_PARTITIONING = pads.partitioning(pa.schema([(PARTITION_COLUMN, pa.string())]), flavor="hive")
+
+
+def is_dataset_path(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a log dataset: an existing directory, or a path without a file suffix."""
+    p = Path(path)
+    return p.is_dir() or (not p.exists() and p.suffix == "")
+
+
+def part_path(directory: str | os.PathLike[str], run_id: str, prompt_id: str, compression: str) -> Path:
+    """Where the part of one (run, prompt) unit lives: the name depends only on the unit, so a retry replaces it."""
+    digest = hashlib.sha1(f"{run_id}\0{prompt_id}".encode()).hexdigest()[:20]
+    return Path(directory) / f"{PARTITION_COLUMN}={compression}" / f"part-{digest}.parquet"
+
+
+def _read_marker(directory: Path) -> dict[str, Any]:
+    marker = directory / DATASET_MARKER
+    try:
+        data = json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise LogValidationError(
+            str(directory), [f"no {DATASET_MARKER}: not a speckv log dataset (a directory written by speckv-profile)"]
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise LogValidationError(str(marker), [f"unreadable dataset marker ({exc})"]) from None
+    if not isinstance(data, dict) or data.get("format") != DATASET_FORMAT:
+        raise LogValidationError(str(marker), [f"expected a JSON object with format {DATASET_FORMAT!r}"])
+    version = data.get("log_schema_version")
+    if not isinstance(version, int) or version > LOG_SCHEMA_VERSION:
+        raise LogValidationError(
+            str(marker), [f"log schema version {version!r}: expected an integer <= {LOG_SCHEMA_VERSION}"]
+        )
+    if not isinstance(data.get("metadata", {}), dict):
+        raise LogValidationError(str(marker), ["'metadata' must be a JSON object of strings"])
+    data.setdefault("metadata", {})
+    return data
+
+
+def _ensure_marker(directory: Path, metadata: Mapping[str, str] | None) -> None:
+    """Create the dataset marker if absent; an existing dataset keeps its metadata."""
+    marker = directory / DATASET_MARKER
+    if marker.exists():
+        _read_marker(directory)  # refuse to add parts to something that is not a compatible dataset
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    body = {
+        "format": DATASET_FORMAT,
+        "log_schema_version": LOG_SCHEMA_VERSION,
+        "partitioning": [PARTITION_COLUMN],
+        "metadata": {k: str(v) for k, v in (metadata or {}).items()},
+    }
+    atomic_write_text(marker, json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+
+def write_log_parts(
+    directory: str | os.PathLike[str],
+    rows: pd.DataFrame | Iterable[Mapping[str, Any]],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> pd.DataFrame:
+    """Validate ``rows`` and write them into the log dataset ``directory``, one part file per (run, prompt).
+
+    Each part is written atomically under a name fixed by its unit
+    (:func:`part_path`): writing a unit again (a retried worker) replaces its
+    part, so no step is ever stored twice, and nothing else is read or
+    rewritten. ``metadata`` is recorded when the dataset is created.
+
+    Returns the validated rows.
+    """
+    directory = Path(directory)
+    df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+    valid = validate_log(df, source=f"{directory} (new part)")
+    _ensure_marker(directory, metadata)
+    for (run_id, prompt_id, compression), unit in valid.groupby(["run_id", "prompt_id", PARTITION_COLUMN], sort=False):
+        table = _to_table(unit, None).drop_columns([PARTITION_COLUMN])
+        target = part_path(directory, run_id, prompt_id, compression)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, lambda tmp, table=table: pq.write_table(table, tmp))
+    return valid
+
+
+def _dataset(directory: Path) -> pads.Dataset:
+    try:
+        return pads.dataset(directory, format="parquet", partitioning=_PARTITIONING, schema=_dataset_schema())
+    except (pa.ArrowException, OSError) as exc:
+        raise LogValidationError(str(directory), [f"not a readable Parquet dataset ({exc})"]) from exc
+
+
+def _dataset_schema() -> pa.Schema:
+    return _PART_SCHEMA.append(pa.field(PARTITION_COLUMN, pa.string()))
+
+
+def read_log_dataset(directory: str | os.PathLike[str]) -> pd.DataFrame:
+    """Read and validate a log dataset directory (every part, every partition), sorted by run, prompt and step."""
+    directory = Path(directory)
+    _read_marker(directory)
+    try:
+        table = _dataset(directory).to_table()
+    except (pa.ArrowException, OSError) as exc:
+        raise LogValidationError(str(directory), [f"a part file is unreadable ({exc})"]) from exc
+    # rows in a canonical order, whatever order the parts were written or listed in
+    table = table.sort_by([("run_id", "ascending"), ("prompt_id", "ascending"), ("step", "ascending")])
+    return validate_log(table.to_pandas(), source=str(directory))
+
+
+def logged_units(path: str | os.PathLike[str]) -> set[tuple[str, str]]:
+    """The (run_id, prompt_id) pairs a log already holds, reading only those two columns."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    if path.is_dir():
+        _read_marker(path)
+        try:
+            table = _dataset(path).to_table(columns=["run_id", "prompt_id"])
+        except (pa.ArrowException, OSError) as exc:
+            raise LogValidationError(str(path), [f"a part file is unreadable ({exc})"]) from exc
+    else:
+        table = pq.read_table(path, columns=["run_id", "prompt_id"])
+    return set(zip(table.column("run_id").to_pylist(), table.column("prompt_id").to_pylist()))

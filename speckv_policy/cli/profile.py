@@ -23,7 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, help="target model folder, or 'smollm2'")
     p.add_argument("--draft", required=True, help="draft model folder")
     p.add_argument("--prompts", required=True, help="JSON-lines prompt file")
-    p.add_argument("--out", required=True, help="step log (.parquet) to create or resume")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="step log to create or resume: a .parquet file, or a log dataset directory (a path without suffix: "
+        "one Parquet part per finished prompt run, partitioned by compression)",
+    )
     p.add_argument("--compressions", default="fp32,int8,nf4")
     p.add_argument("--decodings", default="greedy,sampling")
     p.add_argument("--gamma-max", type=int_at_least(1), default=8)
@@ -41,7 +46,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start a new log at --out; an existing one is moved aside (renamed), never deleted",
     )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="shard the work over a Ray cluster (needs the [ray] extra): no ADDRESS starts one on this machine; "
+        "'auto' or ray://HEAD:10001 joins one. --out must then be a dataset directory every worker sees",
+    )
+    p.add_argument("--workers", type=int_at_least(1), help="Ray workers (default: one per GPU, or per CPU core)")
     args = p.parse_args(argv)
+    if args.workers is not None and args.ray is None:
+        p.error("--workers needs --ray")
     exit_cleanly_on_sigterm()
     try:
         prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
@@ -63,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         for d in cfg.decodings:
             if d not in ("greedy", "sampling"):
                 raise ValueError(f"unknown decoding {d!r}; expected greedy or sampling")
-        counts = profile(cfg, prompts, models=SMOLLM2_MODELS, force_new=args.force_new)
+        counts = profile(
+            cfg, prompts, models=SMOLLM2_MODELS, force_new=args.force_new, ray_address=args.ray, workers=args.workers
+        )
     except (PromptFileError, LogValidationError, ValueError, OSError, ModuleNotFoundError) as exc:
         return fail("speckv-profile", exc)
     print(
