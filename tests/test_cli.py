@@ -246,3 +246,16 @@ def test_export_one_liner_and_reprice(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert export_cli.main([str(tmp_path / "x.onnx")]) == 2
     assert "run from the speckv-policy repository" in capsys.readouterr().err
+
+
+def test_speckv_eval_with_one_held_out_prompt_reports_without_cis(tmp_path, capsys):
+    from speckv_policy.cli import evaluate as eval_cli
+
+    log = read_log(SHIPPED_LOG)
+    held = sorted(set(log.loc[log["split"] == "heldout", "prompt_id"]))
+    small = log[(log["split"] == "train") | (log["prompt_id"] == held[0])]
+    write_log(small, tmp_path / "one.parquet")
+    args = ["--log", str(tmp_path / "one.parquet"), "--policy", "exported/synthetic-table.onnx", "--out", str(tmp_path)]
+    assert eval_cli.main([*args, "--bootstrap", "100", "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "1 prompts" in out and "[no CI: < 2 prompts]" in out

@@ -122,14 +122,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['rows']} held-out steps, {result['prompts']} prompts; best fixed gamma "
         f"{ov['best_fixed'].split('-')[1]}"
     )
+    boot = result.get("bootstrap", {}).get("overall", {})
+
+    def ci(name: str, key: str) -> str:
+        b = boot.get(name, {}).get(key)
+        return f"[{b['ci'][0]:.3f}, {b['ci'][1]:.3f}]" if b else "[no CI: < 2 prompts]"
+
     for name in policies:
         a = ov["arms"][name]
-        b = result["bootstrap"]["overall"][name]
         print(
             f"{name:<22} {a['tokens_per_second']:8.2f} {result['unit']}  x target {a['vs_target']:.3f} "
-            f"[{b['vs_target']['ci'][0]:.3f}, {b['vs_target']['ci'][1]:.3f}]  x best fixed {a['vs_best_fixed']:.3f} "
-            f"[{b['vs_best_fixed']['ci'][0]:.3f}, {b['vs_best_fixed']['ci'][1]:.3f}]  x fixed4 {a['vs_fixed4']:.3f} "
-            f"[{b['vs_fixed4']['ci'][0]:.3f}, {b['vs_fixed4']['ci'][1]:.3f}]  x oracle {a['vs_oracle']:.3f}"
+            f"{ci(name, 'vs_target')}  x best fixed {a['vs_best_fixed']:.3f} {ci(name, 'vs_best_fixed')}  "
+            f"x fixed4 {a['vs_fixed4']:.3f} {ci(name, 'vs_fixed4')}  x oracle {a['vs_oracle']:.3f}"
         )
     print(f"wrote {out / 'eval.md'}, {out / 'eval.json'}" + ("" if args.no_plots else " and 3 plots"))
     return 0
