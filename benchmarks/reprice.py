@@ -7,7 +7,7 @@ On the shipped SmolLM2 profile's held-out steps, with the one offline evaluator
 
 1. Two cost regimes that genuinely differ: A, the cost model fitted from the profile
    (this repo's profiling machine), and B, the same with the full-precision and NF4 rows
-   swapped (one-token steps 42.5 vs 24.0 ms, verification tables exchanged). A GBT
+   swapped (one-token steps ~41 vs ~23 ms, verification tables exchanged). A GBT
    policy trained under A and re-priced for B (``with_cost_model``, what
    ``RuntimePolicy(path, cost_model=B)`` and ``speckv-export --reprice`` do) against a
    GBT policy trained under B, both judged under B.

@@ -177,14 +177,17 @@ def test_quickstart_prints_what_speckv_eval_prints(tmp_path, capsys):
     assert ref["vs_target"] == pytest.approx(1.0)
 
 
-def test_shipped_exports_match_the_shipped_log():
-    """exported/ was built by `speckv-quickstart --out exported` from the shipped log."""
-    log = read_log(SHIPPED_LOG)
-    files = sorted((ROOT / "exported").glob("synthetic-*.onnx"))
-    assert {f.stem for f in files} == {f"synthetic-{k}" for k in ("mlp", "gbt", "table", "paper-mlp16", "fixed4")}
+@pytest.mark.parametrize(
+    "prefix, log_path", [("synthetic", SHIPPED_LOG), ("smollm2", ROOT / "datasets" / "smollm2" / "steps.parquet")]
+)
+def test_shipped_exports_match_the_shipped_log(prefix, log_path):
+    """exported/ was built by `speckv-quickstart --out exported` from the shipped logs (real and SYNTHETIC)."""
+    log = read_log(log_path)
+    files = sorted((ROOT / "exported").glob(f"{prefix}-*.onnx"))
+    assert {f.stem for f in files} == {f"{prefix}-{k}" for k in ("mlp", "gbt", "table", "paper-mlp16", "fixed4")}
     for f in files:
         rt = RuntimePolicy(f)
-        kind = {"fixed4": "fixed"}.get(f.stem.removeprefix("synthetic-"), f.stem.removeprefix("synthetic-"))
+        kind = {"fixed4": "fixed"}.get(f.stem.removeprefix(f"{prefix}-"), f.stem.removeprefix(f"{prefix}-"))
         policy = make_policy(kind)
         X, y = training_data(log, policy.feature_set, split="train")
         assert rt.metadata["speckv.training_fingerprint"] == data_fingerprint(X, y[:, 0], y[:, 1]), f
