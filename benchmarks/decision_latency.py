@@ -62,6 +62,20 @@ def _in_generation(exported: str, report) -> None:
     for path in sorted(Path(exported).glob("*.onnx")):
         if "paper" in path.stem:
             continue  # truncate mode drafts gamma_max first; timed the same way below would mix modes
+        if path.stem.endswith("-pre"):  # decided before drafting, from history: no features on the logits
+            if draft is None:
+                continue
+            before = []
+            for text in prompts:
+                ids = tok.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+                )
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+                with attach(target, str(path), compression="fp32", mode="pre") as h:
+                    target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
+                before += [s.decision_us for s in h.stats]
+            report(path.stem, "inside generate (distilled draft, pre mode, us per decision)", np.asarray(before))
+            continue
         times, upfront = [], []
         for text in prompts:
             ids = tok.apply_chat_template(
@@ -147,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     from speckv_policy.training import fit_from_log, make_policy
 
     log = read_log(args.log)
-    rows = {fs: training_data(log, fs, split="heldout")[0].to_numpy(np.float32) for fs in ("online", "paper")}
+    rows = {fs: training_data(log, fs, split="heldout")[0].to_numpy(np.float32) for fs in ("online", "paper", "pre")}
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, onnxruntime {ort.__version__}, scikit-learn {sklearn.__version__}"

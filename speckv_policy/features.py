@@ -23,6 +23,7 @@ from .schema import (
     ACCEPT_PRIOR,
     ONLINE,
     PAPER,
+    PRE,
     FeatureSet,
     compression_code,
     get_feature_set,
@@ -100,7 +101,7 @@ class OnlineFeatureState:
     Steps that drafted nothing (gamma 0) leave the state unchanged.
     """
 
-    __slots__ = ("code", "temperature", "prev_rate", "ema_acc", "ema_rej")
+    __slots__ = ("code", "temperature", "prev_rate", "ema_acc", "ema_rej", "prev_accepted", "prev_gamma")
 
     def __init__(self, compression: str, temperature: float = 0.0) -> None:
         self.code = compression_code(compression)
@@ -110,6 +111,8 @@ class OnlineFeatureState:
         self.prev_rate = ACCEPT_PRIOR
         self.ema_acc = 0.0
         self.ema_rej = 0.0
+        self.prev_accepted = 0
+        self.prev_gamma = 0
 
     def update(self, drafted: int, accepted: int) -> None:
         """Record the outcome of a step that drafted ``drafted`` tokens."""
@@ -121,6 +124,8 @@ class OnlineFeatureState:
         self.prev_rate = accepted / (accepted + rejected)
         self.ema_acc = ACCEPT_DECAY * self.ema_acc + accepted
         self.ema_rej = ACCEPT_DECAY * self.ema_rej + rejected
+        self.prev_accepted = int(accepted)
+        self.prev_gamma = int(drafted)
 
     @property
     def ema_rate(self) -> float:
@@ -136,6 +141,23 @@ class OnlineFeatureState:
                 self.code,
                 self.prev_rate,
                 self.ema_rate,
+                math.log1p(context_len),
+                self.temperature,
+            ],
+            dtype=np.float32,
+        )
+
+    def pre_features(self, context_len: int) -> np.ndarray:
+        """Feature vector (``pre`` set, float32) for the step about to be decided, before any draft token exists."""
+        full = 1.0 if self.prev_gamma > 0 and self.prev_accepted == self.prev_gamma else 0.0
+        return np.array(
+            [
+                self.code,
+                self.prev_rate,
+                self.ema_rate,
+                self.prev_accepted,
+                self.prev_gamma,
+                full,
                 math.log1p(context_len),
                 self.temperature,
             ],
@@ -208,7 +230,7 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
     ----------
     log : pandas.DataFrame
         Rows in the step-log schema (see :mod:`speckv_policy.logs`).
-    feature_set : {'online', 'paper'}
+    feature_set : {'online', 'paper', 'pre'}
         Which feature set to compute.
 
     Returns
@@ -228,7 +250,7 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
     order = log.sort_values(["run_id", "prompt_id", "step"], kind="stable")
     rows: list[np.ndarray] = []
     index: list[Any] = []
-    if fs is ONLINE:
+    if fs is ONLINE or fs is PRE:
         state: OnlineFeatureState | None = None
         key = None
         for idx, r in zip(order.index, order.itertuples(index=False)):
@@ -239,7 +261,12 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
                 key = k
             assert state is not None
             if r.gamma > 0:
-                rows.append(state.features(float(r.draft_confidence[0]), float(r.draft_entropy[0]), int(r.context_len)))
+                if fs is PRE:
+                    rows.append(state.pre_features(int(r.context_len)))
+                else:
+                    rows.append(
+                        state.features(float(r.draft_confidence[0]), float(r.draft_entropy[0]), int(r.context_len))
+                    )
                 index.append(idx)
             state.update(int(r.gamma), int(r.accepted))
     elif fs is PAPER:

@@ -113,7 +113,32 @@ PAPER = FeatureSet(
     },
 )
 
-FEATURE_SETS: dict[str, FeatureSet] = {fs.name: fs for fs in (ONLINE, PAPER)}
+PRE = FeatureSet(
+    name="pre",
+    version=FEATURE_SCHEMA_VERSION,
+    names=(
+        "compression_code",
+        "prev_accept_rate",
+        "ema_accept_rate",
+        "prev_accepted",
+        "prev_gamma",
+        "prev_fully_accepted",
+        "log_context_len",
+        "temperature",
+    ),
+    description={
+        "compression_code": "target compression: 0 full precision, 1 INT8, 2 NF4",
+        "prev_accept_rate": "per-token acceptance of the previous drafting step (as in 'online'); 0.5 before any",
+        "ema_accept_rate": "Beta(1,1)-smoothed acceptance from counts decayed by 0.8 per drafting step (as in 'online')",
+        "prev_accepted": "draft tokens the previous drafting step had accepted; 0 before any",
+        "prev_gamma": "draft tokens the previous drafting step sent for verification; 0 before any",
+        "prev_fully_accepted": "1 if the previous drafting step had every draft token accepted, else 0",
+        "log_context_len": "natural log of (1 + tokens in the context)",
+        "temperature": "sampling temperature; 0 for greedy decoding",
+    },
+)
+
+FEATURE_SETS: dict[str, FeatureSet] = {fs.name: fs for fs in (ONLINE, PAPER, PRE)}
 
 
 def get_feature_set(name: str) -> FeatureSet:

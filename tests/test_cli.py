@@ -184,11 +184,17 @@ def test_shipped_exports_match_the_shipped_log(prefix, log_path):
     """exported/ was built by `speckv-quickstart --out exported` from the shipped logs (real and SYNTHETIC)."""
     log = read_log(log_path)
     files = sorted((ROOT / "exported").glob(f"{prefix}-*.onnx"))
-    assert {f.stem for f in files} == {f"{prefix}-{k}" for k in ("mlp", "gbt", "table", "paper-mlp16", "fixed4")}
+    kinds = {f"{prefix}-{k}" for k in ("mlp", "gbt", "table", "paper-mlp16", "fixed4")}
+    if (
+        prefix == "smollm2"
+    ):  # policies on the 'pre' features (speckv-export --feature-set pre, datasets/smollm2/build.sh)
+        kinds |= {f"{prefix}-{k}-pre" for k in ("mlp", "gbt", "table")}
+    assert {f.stem for f in files} == kinds
     for f in files:
         rt = RuntimePolicy(f)
-        kind = {"fixed4": "fixed"}.get(f.stem.removeprefix(f"{prefix}-"), f.stem.removeprefix(f"{prefix}-"))
-        policy = make_policy(kind)
+        name = f.stem.removeprefix(f"{prefix}-")
+        kind = {"fixed4": "fixed"}.get(name.removesuffix("-pre"), name.removesuffix("-pre"))
+        policy = make_policy(kind, feature_set="pre" if name.endswith("-pre") else None)
         X, y = training_data(log, policy.feature_set, split="train")
         assert rt.metadata["speckv.training_fingerprint"] == data_fingerprint(X, y[:, 0], y[:, 1]), f
         Xh, _ = training_data(log, policy.feature_set, split="heldout")

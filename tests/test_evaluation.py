@@ -235,11 +235,15 @@ def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path):
 def test_references_pay_only_what_they_run():
     """A policy that reads the first draft token pays it; the target alone (fixed-0) and the oracle never do."""
     rows = hand_rows(accepted=(0, 3, 8, 1, 2, 0), prompts=("a", "a", "b", "b", "c", "c"))
-    es = EvalSet(rows, {"online": pd.DataFrame({"x": np.zeros(len(rows))})}, max_gamma=8)
+    zeros = pd.DataFrame({"x": np.zeros(len(rows))})
+    es = EvalSet(rows, {"online": zeros, "pre": zeros}, max_gamma=8)
     probe = CostModel.relative(draft_cost=0.1, verify_cost_per_token=0.05, decision_draft_tokens=1)
     always0 = ("online", lambda X: np.zeros(len(X), dtype=np.int64))
-    res = evaluate(es, {"always0": always0}, policy_cost=probe, n_resamples=50)
+    before_drafting = ("pre", lambda X: np.zeros(len(X), dtype=np.int64))
+    res = evaluate(es, {"always0": always0, "pre0": before_drafting}, policy_cost=probe, n_resamples=50)
     arms = res["groups"]["overall"]["arms"]
+    # a policy on the 'pre' features decides before drafting: gamma 0 is exactly the target alone, no probe
+    assert arms["pre0"]["tokens_per_second"] == pytest.approx(1.0)
     # every step: 1 token; the policy pays the probe (1.1 target steps), the target alone does not (1.0)
     assert arms["fixed-0"]["tokens_per_second"] == pytest.approx(1.0)
     assert arms["always0"]["tokens_per_second"] == pytest.approx(1 / 1.1)

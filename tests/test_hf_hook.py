@@ -35,7 +35,7 @@ def _cycle(seq):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     gammas=st.lists(st.integers(0, 8), min_size=1, max_size=12),
-    mode=st.sampled_from(["upfront", "per-token", "truncate", "fixed"]),
+    mode=st.sampled_from(["upfront", "per-token", "truncate", "fixed", "pre"]),
     prompt=st.lists(st.integers(1, 63), min_size=1, max_size=12),
     n_new=st.integers(1, 40),
 )
@@ -43,7 +43,7 @@ def test_greedy_output_is_the_targets_for_any_gamma_sequence(pair, gammas, mode,
     target, draft = pair
     ids = torch.tensor([prompt])
     ref = _greedy(target, ids, n_new)
-    fs = "paper" if mode == "truncate" else "online"
+    fs = {"truncate": "paper", "pre": "pre"}.get(mode, "online")
     kw = {"gamma_fn": _cycle(gammas)} if mode == "fixed" else {"feature_set": fs}
     if mode in ("upfront", "per-token") and gammas[0] % 2:
         kw["probe_backoff"] = 4  # plain steps without a probe are lossless too
@@ -122,20 +122,22 @@ def _two_token_counts(model, ids, vocab, n, **kwargs):
     return counts
 
 
-def _assisted_vs_draft_sampling(target, draft, ids, vocab, n=1500):
+def _assisted_vs_draft_sampling(target, draft, ids, vocab, n=1500, mode="upfront"):
     """Chi-square p-values of assisted sampling (random gamma 0..3) and of the draft's own samples
     against the target's exact two-token distribution; also the hook handle and the draft's counts."""
     joint = _exact_joint(target, ids, vocab)
     rng = np.random.default_rng(0)
-    with attach(target, lambda f: int(rng.integers(0, 4)), compression="fp32", feature_set="online") as h:
+    fs = "pre" if mode == "pre" else "online"
+    with attach(target, lambda f: int(rng.integers(0, 4)), compression="fp32", mode=mode, feature_set=fs) as h:
         counts = _two_token_counts(target, ids, vocab, n, assistant_model=draft)
     draft_counts = _two_token_counts(draft, ids, vocab, n)
     return h, _chi2_pvalue(counts, joint), _chi2_pvalue(draft_counts, joint), draft_counts
 
 
-def test_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("mode", ["upfront", "pre"])
+def test_sampling_keeps_the_target_distribution(mode):
     target, draft = tiny_llama_pair(vocab_size=12, hidden_size=32, noise=0.3, seed=3, init_range=0.15)
-    h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(target, draft, torch.tensor([[1, 2, 3]]), 12)
+    h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(target, draft, torch.tensor([[1, 2, 3]]), 12, mode=mode)
     assert h.summary()["acceptance"] > 0.2 and max(s.gamma for s in h.stats) >= 1
     assert p_assisted > 0.001
     assert p_draft < 1e-6  # the draft's own samples: the test must be able to tell them apart

@@ -289,3 +289,25 @@ def test_skl2onnx_converts_policies_and_pipelines(name, fitted, heldout, online_
     # float64 input is cast to the float32 the policy decides on
     model64 = to_onnx(policy, X[:1].astype(np.float64), target_opset={"": 18, "ai.onnx.ml": 3})
     assert (decisions(model64, X.astype(np.float64)) == policy.predict(X)).mean() >= 0.999
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gbt", "table"])
+def test_pre_feature_set_exports_match_python(kind, synthetic, tmp_path):
+    """Policies decided before drafting ('pre' features) export and run like the others: parity on held-out and edge rows."""
+    from speckv_policy.policies import training_data
+    from speckv_policy.training import make_policy
+
+    synthetic_log = synthetic[0]
+    cost = CostModel.fit(synthetic_log, decision_draft_tokens=0)
+    X, y = training_data(synthetic_log, "pre", split="train")
+    policy = make_policy(kind, cost_model=cost, feature_set="pre").fit(X, y)
+    model = export_onnx(policy, tmp_path / f"{kind}-pre.onnx")
+    onnx.checker.check_model(model, full_check=True)
+    rt = RuntimePolicy(tmp_path / f"{kind}-pre.onnx")
+    assert rt.feature_set.name == "pre" and rt.metadata["speckv.feature_set"] == "pre"
+    Xh, _ = training_data(synthetic_log, "pre", split="heldout")
+    rows = np.vstack([Xh.to_numpy(np.float32), edge_rows(get_feature_set("pre").names, np.random.default_rng(1))])
+    out = rt.expected_values(rows)
+    py = policy.expected_values(rows)
+    np.testing.assert_allclose(out["expected_tokens"], py["tokens_per_step"], rtol=1e-4, atol=1e-4)
+    assert (out["gamma"] == policy.predict(rows)).mean() >= 0.999

@@ -147,7 +147,8 @@ def test_cli_reports_prompt_errors(tmp_path, capsys):
     assert "line 1: expected a JSON object" in capsys.readouterr().err
 
 
-def test_runtime_features_equal_log_features():
+@pytest.mark.parametrize("mode, feature_set", [("upfront", "online"), ("pre", "pre")])
+def test_runtime_features_equal_log_features(mode, feature_set):
     """The hook's features at run time and features_from_log on the logged steps are the same numbers."""
     target, draft = tiny_llama_pair(seed=1)
     seen = []
@@ -158,7 +159,7 @@ def test_runtime_features_equal_log_features():
         return int(rng.integers(0, 6))
 
     ids = torch.tensor([[3, 1, 4, 1, 5]])
-    with attach(target, policy, compression="int8", feature_set="online", record_tokens=True) as h:
+    with attach(target, policy, compression="int8", mode=mode, feature_set=feature_set, record_tokens=True) as h:
         target.generate(ids, max_new_tokens=60, do_sample=True, temperature=0.7, assistant_model=draft)
     prompt = Prompt("p", "code", "train", input_ids=(3, 1, 4, 1, 5))
     rows = profiler.stats_to_rows(
@@ -173,7 +174,7 @@ def test_runtime_features_equal_log_features():
         target_id="t",
     )
     log = validate_log(__import__("pandas").DataFrame(rows))
-    X, acc, drafted = features_from_log(log, "online")
+    X, acc, drafted = features_from_log(log, feature_set)
     runtime = np.array([f for f, s in zip(seen, h.stats) if s.gamma > 0])
     assert len(X) == len(runtime) > 5
     np.testing.assert_allclose(X.to_numpy(), runtime, rtol=1e-6, atol=1e-7)

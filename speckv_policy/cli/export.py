@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-price INPUT.onnx with this cost model (from speckv-calibrate) and write OUTPUT.onnx; "
         "the acceptance model is kept, only the step-time prices change",
     )
-    p.add_argument("--feature-set", choices=["online", "paper"], help="default: online (paper for paper-mlp16)")
+    p.add_argument(
+        "--feature-set",
+        choices=["online", "paper", "pre"],
+        help="default: online (paper for paper-mlp16); pre: decided before drafting (with --decision-draft-tokens 0)",
+    )
     p.add_argument(
         "--objective",
         choices=["tokens_per_second", "tokens_per_step"],

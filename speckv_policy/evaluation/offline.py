@@ -34,6 +34,10 @@ ChooseFn = Callable[[pd.DataFrame], np.ndarray]
 TARGET_ALONE = "fixed-0"
 
 
+#: Feature sets whose policies decide before any draft token exists (the hook's ``pre`` mode): no probe is priced.
+DECIDED_BEFORE_DRAFTING: tuple[str, ...] = ("pre",)
+
+
 @dataclass
 class EvalSet:
     """Held-out steps with known outcomes, and features per feature set.
@@ -55,7 +59,10 @@ class EvalSet:
 
 
 def evaluation_set(
-    log: pd.DataFrame, feature_sets: tuple[str, ...] = ("online", "paper"), max_gamma: int = 8, split: str = "heldout"
+    log: pd.DataFrame,
+    feature_sets: tuple[str, ...] = ("online", "paper", "pre"),
+    max_gamma: int = 8,
+    split: str = "heldout",
 ) -> EvalSet:
     """Select the ``split`` steps that drafted at least ``max_gamma`` tokens.
 
@@ -270,8 +277,10 @@ def evaluate(
 
     ``policy_cost`` prices the policies' choices (usually with
     ``decision_draft_tokens=1``: a policy that reads the first draft token pays
-    it even when it then chooses 0); ``reference_cost`` prices the oracle and
-    fixed gammas (default: ``policy_cost`` with ``decision_draft_tokens=0``).
+    it even when it then chooses 0), except policies on a feature set decided
+    before drafting (:data:`DECIDED_BEFORE_DRAFTING`), which pay no probe;
+    ``reference_cost`` prices the oracle and fixed gammas (default:
+    ``policy_cost`` with ``decision_draft_tokens=0``).
 
     Returns
     -------
@@ -294,7 +303,9 @@ def evaluate(
             raise ValueError(f"policy {name!r} returned {g.shape[0]} choices for {len(rows)} rows")
         if (g < 0).any():
             raise ValueError(f"policy {name!r} returned a negative gamma")
-        arms.append(Arm(name, *step_outcomes(g, rows, policy_cost), g, kind="policy"))
+        # a policy on the 'pre' features decides before any draft token exists: it never pays a probe
+        cost = replace(policy_cost, decision_draft_tokens=0) if fs in DECIDED_BEFORE_DRAFTING else policy_cost
+        arms.append(Arm(name, *step_outcomes(g, rows, cost), g, kind="policy"))
     masks = group_masks(rows)
     unit = policy_cost.unit
     result: dict[str, Any] = {

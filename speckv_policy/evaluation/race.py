@@ -35,7 +35,9 @@ rotates from prompt to prompt so no arm always runs first):
   with ``probe_backoff=8``: after a probe that ends in gamma 0, skip probing for 1, 2, 4, 8 steps) from ``exported/``,
   priced as shipped; ``{mlp,gbt,table}-repriced``: the same exports re-priced by a calibration of the machine the race
   runs on (``speckv-calibrate``, run first, as a user would); ``{mlp,gbt,table}-live``: re-priced after every step
-  from live estimates of draft and verify times (``attach(..., costs="live")``, kept across the prompts of a block).
+  from live estimates of draft and verify times (``attach(..., costs="live")``, kept across the prompts of a block);
+  ``{mlp,gbt,table}-pre`` where ``exported/`` holds ``*-pre.onnx``: policies on the ``pre`` features that choose
+  gamma before drafting (``attach(..., mode="pre")``), no probe.
 
 Every greedy output is compared with the target's own greedy output for the same prompt;
 any difference is reported (and makes the exit status 1). Results: medians of time per output
@@ -267,6 +269,9 @@ def make_arms(
             variants.append(("repriced", {"mode": "upfront", "costs": costs}))
         variants.append(("live", {"mode": "upfront", "costs": "live"}))
         arms += [ArmSpec(f"{kind}-{tag}", policy=export, group="ours", **kw) for tag, kw in variants]
+        pre = policy_dir / f"{prefix}{kind}-pre.onnx"  # trained on the 'pre' features: decides before drafting
+        if pre.exists():
+            arms.append(ArmSpec(f"{kind}-pre", policy=pre, group="ours", mode="pre"))
     if names:
         unknown = sorted(set(names) - {a.name for a in arms})
         if unknown:

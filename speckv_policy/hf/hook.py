@@ -31,6 +31,11 @@ Decision modes
 ``fixed``
     Gamma chosen before drafting by a callable ``gamma_fn(step) -> int`` (the
     profiler's schedules and fixed-gamma baselines); no features.
+``pre``
+    The policy chooses gamma before drafting from the ``pre`` features
+    (acceptance history, context length, compression, temperature): no probe,
+    so gamma 0 costs nothing but the target step. Export such a policy with
+    ``--decision-draft-tokens 0``.
 
 This module imports torch and transformers; :mod:`speckv_policy.runtime` does not
 import it.
@@ -52,13 +57,13 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from ..features import OnlineFeatureState, draft_token_stats_from_logits, paper_features
 from ..runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
-from ..schema import COMPRESSIONS, ONLINE, PAPER, FeatureSet, compression_code, get_feature_set
+from ..schema import COMPRESSIONS, ONLINE, PAPER, PRE, FeatureSet, compression_code, get_feature_set
 from . import _compat
 from ._compat import AssistedCandidateGenerator
 from .lean_draft import LeanDraft
 from .live_costs import LiveCosts
 
-MODES = ("upfront", "per-token", "truncate", "fixed")
+MODES = ("upfront", "per-token", "truncate", "fixed", "pre")
 DRAFT_LOOPS = ("lean", "generate")
 DEFAULT_MAX_GAMMA = 8
 
@@ -268,6 +273,12 @@ class _Controller:
         self.current.fallback |= fell_back
         return g
 
+    def plan_pre(self, context_len: int) -> int:
+        """``pre`` mode: the policy's gamma from the history features, before any draft token."""
+        assert self.state is not None
+        t = time.perf_counter()
+        return min(self._decide(self.state.pre_features(context_len), t), self.max_gamma)
+
     def plan_fixed(self) -> int:
         assert self.gamma_fn is not None
         g = self.gamma_fn(self.step)
@@ -300,7 +311,7 @@ class _Controller:
             conf, ent = draft_token_stats_from_logits(logits[0])
             g = self._decide(paper_features(conf.cpu().numpy(), ent.cpu().numpy(), self.compression), t)
             return min(g, drafted)
-        if self.mode == "fixed":
+        if self.mode in ("fixed", "pre"):
             return drafted
         return min(self._kept, drafted)
 
@@ -393,8 +404,11 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         cur = input_ids.shape[-1]
         t0 = c.clock()
         budget = self.main_model_max_length - cur - 1
-        cap = min(c.plan_fixed() if c.mode == "fixed" else c.max_gamma, budget)
         c.current = StepStats(generation=c.generations, step=c.step, context_len=cur, gamma=0, drafted=0)
+        if c.mode == "pre":
+            cap = min(c.plan_pre(cur), budget)
+        else:
+            cap = min(c.plan_fixed() if c.mode == "fixed" else c.max_gamma, budget)
         if c.probe_backoff and cap > 0 and c.skip_probe():
             c.current.skipped = True
             cap = 0
@@ -576,7 +590,7 @@ def attach(
     compression : str or None
         ``fp16``, ``bf16``, ``fp32``, ``int8`` or ``nf4``; ``None`` detects it
         from the target (:func:`detect_compression`).
-    mode : {'upfront', 'per-token', 'truncate', 'fixed'}
+    mode : {'upfront', 'per-token', 'truncate', 'fixed', 'pre'}
         See the module docstring.
     max_gamma : int or None
         Cap on draft tokens per step; default: the policy's largest candidate.
@@ -584,7 +598,7 @@ def attach(
         Gamma used, with one warning, when the policy fails or returns
         nonsense: 0..max_gamma; ``None`` means 4 (or max_gamma if smaller).
     feature_set : str or None
-        Feature set of a callable policy (``online`` or ``paper``).
+        Feature set of a callable policy (``online``, ``paper`` or ``pre``).
     gamma_fn : callable or None
         ``gamma_fn(step) -> int`` for ``mode='fixed'``.
     record_tokens : bool
@@ -660,11 +674,11 @@ def attach(
         )
         if fallback_gamma is not None and fallback_gamma > decider.max_gamma:
             raise ValueError(f"fallback_gamma {fallback_gamma} exceeds max_gamma {decider.max_gamma}")
-        want = PAPER if mode == "truncate" else ONLINE
+        want = {"truncate": PAPER, "pre": PRE}.get(mode, ONLINE)
         if decider.feature_set is None and decider.load_error is not None:
             decider.feature_set = want  # unreadable policy file: every step falls back anyway
         if decider.feature_set is None:
-            raise ValueError("a callable policy needs feature_set= ('online' or 'paper')")
+            raise ValueError("a callable policy needs feature_set= ('online', 'paper' or 'pre')")
         if decider.feature_set.name != want.name:
             raise ValueError(
                 f"mode={mode!r} computes the {want.name!r} feature set but the policy expects "

@@ -30,7 +30,7 @@ class FixedGammaPolicy(GammaPolicy, BaseEstimator):
         Used only for :meth:`score`.
     cost_model : CostModel or None, default=None
         Step-time model; ``None`` means :meth:`CostModel.relative`.
-    feature_set : {'online', 'paper'} or None, default='online'
+    feature_set : {'online', 'paper', 'pre'} or None, default='online'
         Feature schema of ``X``.
 
     Attributes

@@ -16,6 +16,7 @@ from .base import GammaPolicy, shared_parameters_doc
 DEFAULT_BINNED = {
     "online": ("conf_first", "compression_code", "ema_accept_rate"),
     "paper": ("mean_confidence", "compression_code", "max_entropy_bits"),
+    "pre": ("ema_accept_rate", "compression_code", "prev_fully_accepted"),
 }
 
 
