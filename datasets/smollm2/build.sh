@@ -38,6 +38,11 @@ rm -f datasets/smollm2/steps.parquet  # a new draft needs a fresh profile (speck
 
 # 4. Default policies, trained on the training prompts' steps only -> exported/smollm2-*.onnx
 .venv/bin/speckv-quickstart --log datasets/smollm2/steps.parquet --out exported
+#    ... and the policies that decide before drafting ('pre' features, no probe) -> exported/smollm2-*-pre.onnx
+for k in gbt mlp table; do
+    .venv/bin/speckv-export "exported/smollm2-$k-pre.onnx" --train datasets/smollm2/steps.parquet --policy "$k" \
+        --feature-set pre --decision-draft-tokens 0
+done
 
 # 5. Offline evaluation on the held-out prompts (paired bootstrap, seconds) -> docs/eval/
 .venv/bin/speckv-eval
