@@ -160,3 +160,38 @@ def test_drafts_are_the_drafts_own_greedy_continuation_after_rejections_and_plai
             ids = torch.cat([ids, torch.tensor([[tok]])], 1)
             checked += 1
     assert checked >= 8
+
+
+def test_lean_loop_works_for_a_draft_without_logits_to_keep(pair):
+    """Some architectures' forward takes no ``logits_to_keep``: the loop then asks for all positions' logits."""
+    import inspect
+
+    target, draft = pair
+    real_forward = draft.forward
+
+    def forward(input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None, **kw):
+        assert "logits_to_keep" not in kw
+        return real_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+        )
+
+    forward.__signature__ = inspect.Signature(
+        [
+            inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+            for n in ("input_ids", "attention_mask", "position_ids", "cache", "use_cache")
+        ]
+    )
+    draft.forward = forward
+    try:
+        ids = torch.tensor([[4, 5, 6]])
+        lean = LeanDraft(draft, [], do_sample=False, eos_token_id=None)
+        assert "logits_to_keep" not in lean.forward_kwargs
+        out, _ = lean.draft(ids, 5)
+    finally:
+        del draft.forward
+    want = draft.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, want)

@@ -45,6 +45,7 @@ __all__ = [
     "lean_draft_blocker",
     "new_draft_cache",
     "cache_keyword",
+    "takes_logits_to_keep",
 ]
 
 #: The transformers versions the hook was tested on: ``(lowest, first excluded)``.
@@ -190,6 +191,11 @@ def cache_keyword(model: Any) -> str:
     """Name of the forward argument that takes the KV cache (``cache`` in recent 5.x, ``past_key_values`` before)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def takes_logits_to_keep(model: Any) -> bool:
+    """Whether ``model.forward`` can compute the last position's logits only (``logits_to_keep``)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def new_draft_cache(model: Any) -> Any:

@@ -67,6 +67,9 @@ class LeanDraft:
         self.eos = torch.tensor(eos, dtype=torch.long, device=model.device) if eos else None
         self.min_length = int(min_length or 0)
         self.cache = _compat.new_draft_cache(model)
+        self.forward_kwargs: dict[str, Any] = {"use_cache": True}
+        if _compat.takes_logits_to_keep(model):
+            self.forward_kwargs["logits_to_keep"] = 1  # the last position's logits only
         self.cache_arg = _compat.cache_keyword(model)
         self.cached = torch.empty(0, dtype=torch.long, device=model.device)  # the tokens the cache holds
         self.forwards = 0  # forward calls made
@@ -110,8 +113,7 @@ class LeanDraft:
             out = self.model(
                 input_ids=feed,
                 attention_mask=ones[:, : ids.shape[1]],
-                use_cache=True,
-                logits_to_keep=1,
+                **self.forward_kwargs,
                 **{self.cache_arg: self.cache},
             )
             self.forwards += 1
