@@ -143,18 +143,13 @@ def sync_draft_inputs(generator: AssistedCandidateGenerator, input_ids: Any) -> 
 
     transformers only syncs the masks when a draft cache exists; after steps
     that skipped the draft there is none, so they are brought to the current
-    length here. transformers also assumes the cache lacks at most the last
-    two tokens; after steps that skipped the draft it lacks more, and the
-    draft's ``generate`` would then draft from a context with holes, so such a
-    stale cache is dropped (the draft re-reads the context).
+    length here. A cache that lacks more than the last tokens (steps that
+    skipped the draft) is fine: the draft's ``generate`` feeds every uncached
+    token; what must not be there is an unverified one (:func:`crop_draft_cache`).
     """
-    cur = input_ids.shape[-1]
-    for key in ("cache", "past_key_values"):
-        cache = generator.assistant_kwargs.get(key)
-        if cache is not None and cache.get_seq_length() < cur - 2:
-            generator.assistant_kwargs[key] = None
     if generator._update_past_and_masks(input_ids):
         return
+    cur = input_ids.shape[-1]
     enc_dec = generator.assistant_model.config.is_encoder_decoder
     kw = _cg._prepare_attention_mask(generator.assistant_kwargs, cur, enc_dec)
     kw = _cg._prepare_position_ids(kw, cur, enc_dec)
