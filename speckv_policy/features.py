@@ -21,9 +21,12 @@ import numpy as np
 from .schema import (
     ACCEPT_DECAY,
     ACCEPT_PRIOR,
+    CONTEXT_MATCH_CAP,
+    GATED,
     ONLINE,
     PAPER,
     PRE,
+    SIGNAL_COLUMNS,
     FeatureSet,
     compression_code,
     get_feature_set,
@@ -83,6 +86,43 @@ def draft_token_stats_from_logits(logits: Any) -> tuple[Any, Any]:
     return draft_token_stats(e / e.sum(axis=-1, keepdims=True))
 
 
+def context_match_len(ids: Any, cap: int = CONTEXT_MATCH_CAP) -> int:
+    """Longest ``k <= cap`` such that the last ``k`` tokens of ``ids`` also occur earlier in ``ids``.
+
+    The prompt-lookup match length: how much of the context's tail repeats
+    something already in the context (code repeats names, summaries repeat the
+    passage). Works for any draft; O(len(ids)) per call.
+
+    Parameters
+    ----------
+    ids : sequence of int, ndarray or torch.Tensor
+        Token ids of one sequence (a leading batch dimension of 1 is allowed).
+    cap : int
+        Longest match looked for.
+
+    Returns
+    -------
+    int
+        0 when the last token never occurred before.
+    """
+    if _is_torch(ids):
+        ids = ids.detach().cpu().numpy()
+    a = np.asarray(ids).reshape(-1)
+    n = a.size
+    if n < 2 or cap < 1:
+        return 0
+    # ends j < n - 1 of earlier occurrences of the last token, then keep those whose preceding tokens match too
+    ends = np.flatnonzero(a[:-1] == a[-1])
+    k = 0
+    while ends.size and k < cap:
+        k += 1
+        if k == cap:
+            break
+        ends = ends[ends >= k]
+        ends = ends[a[ends - k] == a[n - 1 - k]]
+    return k
+
+
 class OnlineFeatureState:
     """Per-sequence state behind the ``online`` feature set.
 
@@ -101,7 +141,17 @@ class OnlineFeatureState:
     Steps that drafted nothing (gamma 0) leave the state unchanged.
     """
 
-    __slots__ = ("code", "temperature", "prev_rate", "ema_acc", "ema_rej", "prev_accepted", "prev_gamma")
+    __slots__ = (
+        "code",
+        "temperature",
+        "prev_rate",
+        "ema_acc",
+        "ema_rej",
+        "prev_accepted",
+        "prev_gamma",
+        "target_confidence",
+        "target_entropy",
+    )
 
     def __init__(self, compression: str, temperature: float = 0.0) -> None:
         self.code = compression_code(compression)
@@ -113,6 +163,13 @@ class OnlineFeatureState:
         self.ema_rej = 0.0
         self.prev_accepted = 0
         self.prev_gamma = 0
+        self.target_confidence = 0.0
+        self.target_entropy = 0.0
+
+    def observe_target(self, confidence: float, entropy: float) -> None:
+        """Record the target's top-1 probability and entropy at the last verified position (after each step)."""
+        self.target_confidence = float(confidence)
+        self.target_entropy = float(entropy)
 
     def update(self, drafted: int, accepted: int) -> None:
         """Record the outcome of a step that drafted ``drafted`` tokens."""
@@ -147,8 +204,11 @@ class OnlineFeatureState:
             dtype=np.float32,
         )
 
-    def pre_features(self, context_len: int) -> np.ndarray:
-        """Feature vector (``pre`` set, float32) for the step about to be decided, before any draft token exists."""
+    def pre_features(self, context_len: int, match_len: int) -> np.ndarray:
+        """Feature vector (``pre`` set, float32) for the step about to be decided, before any draft token exists.
+
+        ``match_len`` is :func:`context_match_len` of the context.
+        """
         full = 1.0 if self.prev_gamma > 0 and self.prev_accepted == self.prev_gamma else 0.0
         return np.array(
             [
@@ -160,9 +220,21 @@ class OnlineFeatureState:
                 full,
                 math.log1p(context_len),
                 self.temperature,
+                self.target_confidence,
+                self.target_entropy,
+                match_len,
             ],
             dtype=np.float32,
         )
+
+
+def gated_features(pre: np.ndarray, conf_first: float, entropy_first: float) -> np.ndarray:
+    """``gated`` feature vector: a step's ``pre`` vector followed by the probe token's confidence and entropy."""
+    out = np.empty(GATED.n_features, dtype=np.float32)
+    out[: pre.shape[-1]] = pre
+    out[-2] = conf_first
+    out[-1] = entropy_first
+    return out
 
 
 def paper_features(
@@ -230,7 +302,7 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
     ----------
     log : pandas.DataFrame
         Rows in the step-log schema (see :mod:`speckv_policy.logs`).
-    feature_set : {'online', 'paper', 'pre'}
+    feature_set : {'online', 'paper', 'pre', 'gated'}
         Which feature set to compute.
 
     Returns
@@ -247,10 +319,18 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
     import pandas as pd
 
     fs = get_feature_set(feature_set)
+    if fs is PRE or fs is GATED:
+        for col in SIGNAL_COLUMNS:
+            nan = np.isnan(log[col].to_numpy(np.float64)) & (log["gamma"].to_numpy() > 0)
+            if nan.any():
+                raise ValueError(
+                    f"the '{fs.name}' feature set needs column '{col}', which {int(nan.sum())} drafting steps of this log "
+                    "lack (NaN: a log written before log schema v2); re-profile with speckv-profile to record it"
+                )
     order = log.sort_values(["run_id", "prompt_id", "step"], kind="stable")
     rows: list[np.ndarray] = []
     index: list[Any] = []
-    if fs is ONLINE or fs is PRE:
+    if fs is ONLINE or fs is PRE or fs is GATED:
         state: OnlineFeatureState | None = None
         key = None
         for idx, r in zip(order.index, order.itertuples(index=False)):
@@ -261,8 +341,13 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
                 key = k
             assert state is not None
             if r.gamma > 0:
-                if fs is PRE:
-                    rows.append(state.pre_features(int(r.context_len)))
+                if fs is PRE or fs is GATED:
+                    # the signals are logged as they were before the step: replay them into the state
+                    state.observe_target(float(r.target_confidence), float(r.target_entropy))
+                    pre = state.pre_features(int(r.context_len), int(r.context_match_len))
+                    if fs is GATED:
+                        pre = gated_features(pre, float(r.draft_confidence[0]), float(r.draft_entropy[0]))
+                    rows.append(pre)
                 else:
                     rows.append(
                         state.features(float(r.draft_confidence[0]), float(r.draft_entropy[0]), int(r.context_len))

@@ -32,9 +32,9 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from .atomic import atomic_write, atomic_write_text
-from .schema import COMPRESSIONS, DECODINGS, TASK_TYPES
+from .schema import COMPRESSIONS, CONTEXT_MATCH_CAP, DECODINGS, SIGNAL_COLUMNS, TASK_TYPES
 
-LOG_SCHEMA_VERSION = 1
+LOG_SCHEMA_VERSION = 2  # v2 added SIGNAL_COLUMNS; v1 logs still read (those columns NaN)
 SPLITS: tuple[str, ...] = ("train", "heldout")
 
 #: Column name -> (arrow type, description). Order is the on-disk order.
@@ -62,8 +62,19 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "device": (pa.string(), "device the step ran on, e.g. 'cpu', 'cuda:0'"),
     "draft_model": (pa.string(), "draft model id"),
     "target_model": (pa.string(), "target model id"),
+    # log schema v2: the pre-draft signals of the 'pre' feature set, as they were before the step
+    "target_confidence": (
+        pa.float64(),
+        "top-1 probability of the target's processed distribution at the last verified position before the step "
+        "(0 before the first verification; NaN: not recorded, a v1 log)",
+    ),
+    "target_entropy": (pa.float64(), "entropy in nats of that distribution (0 before the first; NaN: not recorded)"),
+    "context_match_len": (
+        pa.float64(),
+        "longest self-repeating suffix of the context before the step, 0..8 tokens (NaN: not recorded)",
+    ),
 }
-ARROW_SCHEMA = pa.schema([pa.field(name, typ, nullable=False) for name, (typ, _) in COLUMNS.items()])
+ARROW_SCHEMA = pa.schema([pa.field(name, typ, nullable=name in SIGNAL_COLUMNS) for name, (typ, _) in COLUMNS.items()])
 LIST_COLUMNS = ("draft_confidence", "draft_entropy", "draft_token_prob")
 _MAX_REPORTED = 20
 
@@ -108,15 +119,24 @@ def validate_log(df: pd.DataFrame, source: str = "<memory>") -> pd.DataFrame:
         Listing each problem as ``row R, column 'C': expected ..., got ...``.
     """
     problems: list[str] = []
-    missing = [c for c in COLUMNS if c not in df.columns]
+    missing = [c for c in COLUMNS if c not in df.columns and c not in SIGNAL_COLUMNS]
     if missing:
         raise LogValidationError(source, [f"missing column '{c}' ({COLUMNS[c][1]})" for c in missing])
     if len(df) == 0:
         raise LogValidationError(source, ["log has no rows"])
-    df = df[list(COLUMNS)].reset_index(drop=True)
+    df = df.reindex(columns=list(COLUMNS)).reset_index(drop=True)  # absent signal columns: NaN, not recorded
     out: dict[str, Any] = {}
     for col, (typ, desc) in COLUMNS.items():
         s = df[col]
+        if col in SIGNAL_COLUMNS:
+            num = pd.to_numeric(s, errors="coerce")
+            v = num.to_numpy(dtype=np.float64, na_value=np.nan)
+            bad = np.isinf(v) | (num.isna().to_numpy() & s.notna().to_numpy())  # NaN allowed, text and inf not
+            if bad.any():
+                problems += _row_problems(bad, df, col, "a finite number or NaN (not recorded)")
+                continue
+            out[col] = v
+            continue
         null = (
             s.isna().to_numpy()
             if not pa.types.is_list(typ)
@@ -193,6 +213,14 @@ def validate_log(df: pd.DataFrame, source: str = "<memory>") -> pd.DataFrame:
     check((out["accepted"] < 0) | (out["accepted"] > out["gamma"]), "accepted", "a value in 0..gamma")
     check(out["draft_ms"] < 0, "draft_ms", "a value >= 0")
     check(out["verify_ms"] < 0, "verify_ms", "a value >= 0")
+    tc, te, cm = out["target_confidence"], out["target_entropy"], out["context_match_len"]
+    check((tc < 0) | (tc > 1 + 1e-9), "target_confidence", "a probability in [0, 1] or NaN")
+    check(te < 0, "target_entropy", "a value >= 0 or NaN")
+    check(
+        (cm < 0) | (cm > CONTEXT_MATCH_CAP) | (np.isfinite(cm) & (cm != np.round(cm))),
+        "context_match_len",
+        f"an integer in 0..{CONTEXT_MATCH_CAP} or NaN",
+    )
     gamma = out["gamma"]
     for col in LIST_COLUMNS:
         lens = np.array([len(a) for a in out[col]])

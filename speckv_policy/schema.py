@@ -113,9 +113,15 @@ PAPER = FeatureSet(
     },
 )
 
+#: Longest self-repeating context suffix the ``pre`` features look for (tokens).
+CONTEXT_MATCH_CAP = 8
+#: Step-log columns (log schema v2) holding the pre-draft signals as they were before each step; a v1 log
+#: lacks them (read as NaN, "not recorded"); only the ``pre`` and ``gated`` feature sets need them.
+SIGNAL_COLUMNS: tuple[str, ...] = ("target_confidence", "target_entropy", "context_match_len")
+
 PRE = FeatureSet(
     name="pre",
-    version=FEATURE_SCHEMA_VERSION,
+    version=2,  # v2 added the target's confidence/entropy at the last verified position and the context match
     names=(
         "compression_code",
         "prev_accept_rate",
@@ -125,6 +131,9 @@ PRE = FeatureSet(
         "prev_fully_accepted",
         "log_context_len",
         "temperature",
+        "target_confidence",
+        "target_entropy",
+        "context_match_len",
     ),
     description={
         "compression_code": "target compression: 0 full precision, 1 INT8, 2 NF4",
@@ -135,10 +144,28 @@ PRE = FeatureSet(
         "prev_fully_accepted": "1 if the previous drafting step had every draft token accepted, else 0",
         "log_context_len": "natural log of (1 + tokens in the context)",
         "temperature": "sampling temperature; 0 for greedy decoding",
+        "target_confidence": "top-1 probability of the target's (processed) distribution at the last verified "
+        "position, from the verification pass that just ran; 0 before the first verification",
+        "target_entropy": "entropy in nats of that distribution; 0 before the first verification",
+        "context_match_len": f"longest k <= {CONTEXT_MATCH_CAP} such that the context's last k tokens also occur "
+        "earlier in the context (prompt-lookup match length; any draft)",
     },
 )
 
-FEATURE_SETS: dict[str, FeatureSet] = {fs.name: fs for fs in (ONLINE, PAPER, PRE)}
+GATED = FeatureSet(
+    name="gated",
+    version=1,
+    names=(*PRE.names, "conf_first", "entropy_first"),
+    description={
+        **{k: f"as in 'pre': {v}" for k, v in PRE.description.items()},
+        "conf_first": "as in 'online': top-1 probability of the first draft token's distribution (the probe)",
+        "entropy_first": "as in 'online': entropy in nats of the first draft token's distribution",
+    },
+)
+"""Input of a gated policy: the gate reads the leading ``pre`` columns before drafting, the length head every
+column after the probe token."""
+
+FEATURE_SETS: dict[str, FeatureSet] = {fs.name: fs for fs in (ONLINE, PAPER, PRE, GATED)}
 
 
 def get_feature_set(name: str) -> FeatureSet:

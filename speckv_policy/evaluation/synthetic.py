@@ -91,6 +91,8 @@ def generate_synthetic_log(
         True per-token acceptance probability per row (same index).
     """
     rng = np.random.default_rng(seed)
+    # the pre-draft signals come from their own stream, so the rest of the log is what it was before they existed
+    sig = np.random.default_rng([seed, 1])
     tasks = [t for t in TASK_TYPES if t != "other"]
     records: list[dict] = []
     alphas: list[float] = []
@@ -105,6 +107,7 @@ def generate_synthetic_log(
             decoding = "greedy" if rng.random() < 0.5 else "sampling"
             temp = 0.7 if decoding == "sampling" else 0.0
             ctx = int(rng.integers(20, 400))
+            t_conf, t_ent = 0.0, 0.0  # before the first verification
             for step in range(steps_per_prompt):
                 gamma = gamma_max
                 if rng.random() < calibration_fraction:
@@ -119,6 +122,8 @@ def generate_synthetic_log(
                 ent = _entropy_from_conf(conf, rng)
                 tok_p = np.where(rng.random(gamma) < 0.8, conf, conf * rng.random(gamma))
                 noise = rng.lognormal(0.0, timing_noise, size=2)
+                # SYNTHETIC signals: the context match tracks the step's acceptance (noisily), no ground truth role
+                match = int(np.clip(round(a * 8 + sig.normal(0, 1.5)), 0, 8))
                 records.append(
                     {
                         "run_id": f"synthetic-{seed}-{comp}",
@@ -143,8 +148,14 @@ def generate_synthetic_log(
                         "device": "synthetic",
                         "draft_model": SYNTHETIC_DRAFT,
                         "target_model": SYNTHETIC_TARGET,
+                        "target_confidence": t_conf,
+                        "target_entropy": t_ent,
+                        "context_match_len": float(match),
                     }
                 )
+                # the target's confidence at the last verified position, seen by the next step: tracks u
+                t_conf = 1.0 / (1.0 + math.exp(-(TASK_MU[task] + 0.8 * u + 0.8 * sig.normal())))
+                t_ent = float(_entropy_from_conf(np.array([t_conf]), sig)[0])
                 alphas.append(a)
                 ctx += accepted + 1
     log = pd.DataFrame.from_records(records)

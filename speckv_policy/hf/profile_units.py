@@ -102,6 +102,9 @@ def stats_to_rows(
                 "device": device,
                 "draft_model": draft_id,
                 "target_model": target_id,
+                "target_confidence": s.target_confidence,
+                "target_entropy": s.target_entropy,
+                "context_match_len": s.context_match_len,
             }
         )
     return rows
