@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from .atomic import atomic_write
 from .objective import CostModel, per_second_scale
 from .policies.base import GammaPolicy
 from .policies.baselines import FixedGammaPolicy, PaperMLP16Policy
+from .policies.gated import GatedPolicy
 from .policies.gbt import HAZARD_FLOOR, GBTPolicy
 from .policies.mlp import MLPPolicy
 from .policies.table import TablePolicy
@@ -38,6 +40,8 @@ OPSET = 18
 EXPORT_FORMAT_VERSION = 1
 INPUT_NAME = "features"
 OUTPUT_NAMES = ("gamma", "values", "expected_tokens")
+#: Extra outputs of a gated export: the gate (int64 [N], 1 = draft) and the gate's expected tokens per candidate.
+GATE_OUTPUT_NAMES = ("gate", "gate_expected_tokens")
 
 
 class _Graph:
@@ -228,6 +232,9 @@ _REGISTERED = False
 
 
 def _builder(policy: Any) -> Callable[[_Graph, Any, str], str]:
+    if type(policy) is GatedPolicy:
+        parts = [_builder(getattr(policy, name)) for name in ("gate_", "head_") if hasattr(policy, name)]
+        return parts[-1] if parts else _mlp_tokens  # unfitted: check_is_fitted reports it
     builder = next((b for cls, b in _BUILDERS.items() if type(policy) is cls), None)
     if builder is None:
         raise ValueError(
@@ -247,6 +254,9 @@ def _skl2onnx_parser(scope: Any, model: Any, inputs: list, custom_parsers: Any =
     op.outputs.append(scope.declare_local_variable("gamma", Int64TensorType([None])))
     op.outputs.append(scope.declare_local_variable("values", FloatTensorType([None, G])))
     op.outputs.append(scope.declare_local_variable("expected_tokens", FloatTensorType([None, G])))
+    if type(model) is GatedPolicy:
+        op.outputs.append(scope.declare_local_variable("gate", Int64TensorType([None])))
+        op.outputs.append(scope.declare_local_variable("gate_expected_tokens", FloatTensorType([None, G])))
     return op.outputs
 
 
@@ -254,10 +264,13 @@ def _skl2onnx_shape(operator: Any) -> None:
     from skl2onnx.common.data_types import FloatTensorType, Int64TensorType
 
     G = len(operator.raw_operator.candidates_)
-    gamma, values, expected = operator.outputs
+    gamma, values, expected = operator.outputs[:3]
     gamma.type = Int64TensorType([None])
     values.type = FloatTensorType([None, G])
     expected.type = FloatTensorType([None, G])
+    if len(operator.outputs) == 5:
+        operator.outputs[3].type = Int64TensorType([None])
+        operator.outputs[4].type = FloatTensorType([None, G])
 
 
 def _skl2onnx_convert(scope: Any, operator: Any, container: Any) -> None:
@@ -271,17 +284,46 @@ def _skl2onnx_convert(scope: Any, operator: Any, container: Any) -> None:
     x = operator.inputs[0].full_name
     if not isinstance(operator.inputs[0].type, FloatTensorType):  # decisions are made on float32 features
         x = g.op("Cast", x, to=TensorProto.FLOAT)
-    tokens = _builder(policy)(g, policy, x)
+    names = [o.full_name for o in operator.outputs]
+    head = policy
+    if type(policy) is GatedPolicy:
+        _gate(g, policy, x, names[3], names[4])
+        head = policy.head_
+    tokens = _builder(head)(g, head, x)
     _decision(
         g,
         tokens,
         policy.feature_set_,
-        policy.candidates_,
-        policy.objective,
-        policy.cost_model_,
+        head.candidates_,
+        head.objective,
+        head.cost_model_,
         x=x,
-        outputs=tuple(o.full_name for o in operator.outputs),
+        outputs=(names[0], names[1], names[2]),
     )
+
+
+def _gate(g: _Graph, policy: GatedPolicy, x: str, gate_out: str, expected_out: str) -> None:
+    """The gate of a gated export: its expected tokens from the leading ``pre`` columns, priced without a probe."""
+    gate = policy.gate_
+    xg = g.op(
+        "Slice",
+        x,
+        g.const([0], np.int64),
+        g.const([policy.n_gate_features_], np.int64),
+        g.const([1], np.int64),
+    )
+    tokens = _builder(gate)(g, gate, xg)
+    g.op("Identity", tokens, out=expected_out)
+    _gate_tail(g, expected_out, gate.feature_set_, gate.candidates_, gate.objective, gate.cost_model_, xg, gate_out)
+
+
+def _gate_tail(
+    g: _Graph, tokens: str, feature_set: str, candidates: np.ndarray, objective: str, cm: CostModel, x: str, out: str
+) -> None:
+    """``out`` = 1 where the best candidate under ``cm`` (no probe) drafts, else 0."""
+    names = (g._name("gate_gamma"), g._name("gate_values"), g._name("gate_tokens"))
+    _decision(g, tokens, feature_set, candidates, objective, replace(cm, decision_draft_tokens=0), x=x, outputs=names)
+    g.op("Cast", g.op("Greater", names[0], g.const(0, np.int64)), to=TensorProto.INT64, out=out)
 
 
 def register_skl2onnx() -> None:
@@ -299,7 +341,7 @@ def register_skl2onnx() -> None:
         return
     from skl2onnx import update_registered_converter
 
-    for cls in _BUILDERS:
+    for cls in (*_BUILDERS, GatedPolicy):
         update_registered_converter(
             cls, f"Speckv{cls.__name__}", _skl2onnx_shape, _skl2onnx_convert, parser=_skl2onnx_parser, overwrite=True
         )
@@ -318,11 +360,21 @@ def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
         "speckv.candidates": json.dumps([int(c) for c in policy.candidates_]),
         "speckv.compression_codes": json.dumps(COMPRESSION_CODES, sort_keys=True),
         "speckv.objective": policy.objective,
-        "speckv.cost_model": policy.cost_model_.to_json(),
+        "speckv.cost_model": (policy.head_ if type(policy) is GatedPolicy else policy).cost_model_.to_json(),
         "speckv.package_version": __version__,
         "speckv.training_fingerprint": str(policy.training_fingerprint_),
         "speckv.training_rows": str(getattr(policy, "n_training_rows_", 0)),
         "speckv.params": json.dumps({k: repr(v) for k, v in policy.get_params().items()}, sort_keys=True),
+        **(
+            {
+                "speckv.decision": "gated",
+                "speckv.gate_policy": type(policy.gate_).__name__,
+                "speckv.head_policy": type(policy.head_).__name__,
+                "speckv.gate_features": str(policy.n_gate_features_),
+            }
+            if type(policy) is GatedPolicy
+            else {}
+        ),
     }
 
 
@@ -347,14 +399,17 @@ def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
     _builder(policy)
     register_skl2onnx()
     F, G = policy.n_features_in_, len(policy.candidates_)
+    final = [
+        ("gamma", Int64TensorType([None])),
+        ("values", FloatTensorType([None, G])),
+        ("expected_tokens", FloatTensorType([None, G])),
+    ]
+    if type(policy) is GatedPolicy:
+        final += [("gate", Int64TensorType([None])), ("gate_expected_tokens", FloatTensorType([None, G]))]
     model = to_onnx(
         policy,
         initial_types=[(INPUT_NAME, FloatTensorType([None, F]))],
-        final_types=[
-            ("gamma", Int64TensorType([None])),
-            ("values", FloatTensorType([None, G])),
-            ("expected_tokens", FloatTensorType([None, G])),
-        ],
+        final_types=final,
         target_opset={"": OPSET, "ai.onnx.ml": 3},
     )
     model.graph.name = f"speckv_{type(policy).__name__}"
@@ -425,7 +480,8 @@ def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelPro
     producer = {o: n for n in model.graph.node for o in n.output}
     keep: list[onnx.NodeProto] = []
     seen: set[int] = set()
-    stack = ["expected_tokens"]
+    gated = "gate" in outputs
+    stack = ["expected_tokens", "gate_expected_tokens"] if gated else ["expected_tokens"]
     while stack:
         node = producer.get(stack.pop())
         if node is None or id(node) in seen:
@@ -437,7 +493,13 @@ def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelPro
     used = {i for n in kept for i in n.input}
     g = _Graph(prefix="reprice_")
     candidates = np.asarray(json.loads(meta["speckv.candidates"]), dtype=np.int64)
-    _decision(g, "expected_tokens", meta["speckv.feature_set"], candidates, "tokens_per_second", cost_model)
+    fs = meta["speckv.feature_set"]
+    if gated:  # the gate never pays the probe, the head always does
+        head_cost = replace(cost_model, decision_draft_tokens=1)
+        _gate_tail(g, "gate_expected_tokens", fs, candidates, "tokens_per_second", cost_model, INPUT_NAME, "gate")
+    else:
+        head_cost = cost_model
+    _decision(g, "expected_tokens", fs, candidates, "tokens_per_second", head_cost)
     graph = helper.make_graph(
         kept + g.nodes,
         model.graph.name,
@@ -450,7 +512,7 @@ def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelPro
     )
     out.ir_version = model.ir_version
     meta["speckv.repriced_from"] = meta.get("speckv.cost_model", "")
-    meta["speckv.cost_model"] = cost_model.to_json()
+    meta["speckv.cost_model"] = head_cost.to_json()
     helper.set_model_props(out, meta)
     onnx.checker.check_model(out, full_check=True)
     return out

@@ -17,6 +17,7 @@ import json
 import os
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,10 @@ class RuntimePolicy:
         Whether the export can be re-priced: it maximises tokens per second and
         outputs ``expected_tokens`` (every speckv export except tokens-per-step
         ones, e.g. the published MLP16 recipe).
+    gated : bool
+        Whether the export is a gated policy (feature set ``gated``): then
+        :meth:`decide_gate` says whether to draft at all before the probe, from
+        the leading ``pre`` columns, and :meth:`decide` is the length head.
     """
 
     def __init__(
@@ -146,6 +151,8 @@ class RuntimePolicy:
         self.cost_model: CostModel | None = None
         self.repriced = False
         self._times: np.ndarray | None = None  # float32 (3, G) step times when re-priced
+        self._gate_times: np.ndarray | None = None  # the same without the probe, for a gated export's gate
+        self.gated = False
         self._scale = np.float32(1.0)
         self._code_index = 0
         self._candidate_set: frozenset[int] = frozenset()
@@ -182,7 +189,13 @@ class RuntimePolicy:
             cm = CostModel.load(cost_model)
         except (ValueError, FileNotFoundError) as exc:
             raise PolicyLoadError(f"{self.path}: cannot re-price: {exc}") from exc
-        self.set_step_times(cm.time_table(self.candidates), unit=cm.unit)
+        if self.gated:  # the gate is priced without the probe, the length head with it
+            head = replace(cm, decision_draft_tokens=1)
+            self._set_times(head.time_table(self.candidates), cm.unit)
+            self._gate_times = self._times_table(replace(cm, decision_draft_tokens=0).time_table(self.candidates))
+            cm = head
+        else:
+            self.set_step_times(cm.time_table(self.candidates), unit=cm.unit)
         self.cost_model = cm
         self.repriced = True
 
@@ -190,15 +203,24 @@ class RuntimePolicy:
         """Decide with these step times: shape ``(3, G)``, row = compression code, column = candidate.
 
         The fast path for live cost estimates (:func:`speckv_policy.hf.attach` with
-        ``costs="live"``): no cost model object, just the table.
+        ``costs="live"``): no cost model object, just the table. Not for a gated
+        export, whose gate and head are priced differently: use :meth:`reprice`.
         """
+        if self.gated:
+            raise ValueError(f"{self.path}: a gated export is re-priced with a cost model (reprice), not one table")
+        self._set_times(times, unit)
+
+    def _times_table(self, times: Any) -> np.ndarray:
         t = np.asarray(times, dtype=np.float32)
         if t.shape != (N_COMPRESSION_CODES, len(self.candidates)) or not np.all(np.isfinite(t)) or (t <= 0).any():
             raise ValueError(
                 f"step times must be a finite, positive ({N_COMPRESSION_CODES}, {len(self.candidates)}) table "
                 f"(compression code x candidate {self.candidates.tolist()}), got shape {t.shape}"
             )
-        self._times = t
+        return t
+
+    def _set_times(self, times: Any, unit: str) -> None:
+        self._times = self._times_table(times)
         self._scale = np.float32(per_second_scale(unit))
         self.repriced = True
 
@@ -232,6 +254,14 @@ class RuntimePolicy:
                 f"{self.path}: expected input 'features' and outputs gamma, values, expected_tokens; "
                 f"got inputs {sorted(names)} outputs {sorted(outs)}"
             )
+        self.gated = "gate" in outs
+        if self.gated != (self.feature_set is not None and self.feature_set.name == "gated") or (
+            self.gated and "gate_expected_tokens" not in outs
+        ):
+            raise PolicyLoadError(
+                f"{self.path}: a gated export has feature set 'gated' and outputs gate and gate_expected_tokens; "
+                f"got feature set {self.metadata.get('speckv.feature_set')!r} and outputs {sorted(outs)}"
+            )
         self._session = sess
         self.provider = sess.get_providers()[0]
         if isinstance(providers, str) and providers.lower() == "cuda" and self.provider != "CUDAExecutionProvider":
@@ -246,6 +276,12 @@ class RuntimePolicy:
             self._io.bind_ortvalue_input("features", ort.OrtValue.ortvalue_from_numpy(self._x))
             self._io.bind_ortvalue_output("gamma", ort.OrtValue.ortvalue_from_numpy(self._gamma_out))
             sess.run_with_iobinding(self._io)
+            if self.gated:
+                self._gate_out = np.zeros(1, dtype=np.int64)
+                self._io_gate = sess.io_binding()
+                self._io_gate.bind_ortvalue_input("features", ort.OrtValue.ortvalue_from_numpy(self._x))
+                self._io_gate.bind_ortvalue_output("gate", ort.OrtValue.ortvalue_from_numpy(self._gate_out))
+                sess.run_with_iobinding(self._io_gate)
         except Exception as exc:
             raise PolicyLoadError(f"{self.path}: the model does not run on a feature row ({exc})") from exc
 
@@ -361,8 +397,57 @@ class RuntimePolicy:
                 raise
             return self._fallback(exc)
 
+    def decide_gate(self, features: Any) -> bool:
+        """A gated export's gate: whether to draft this step (before any draft token exists).
+
+        ``features`` is a ``gated`` row; the gate reads only its leading
+        ``pre`` columns, so the probe token's columns may hold anything (0).
+        With ``fallback_gamma`` set, a failure opens the gate (the length
+        head, or the fallback, then decides), with the one warning.
+
+        Raises
+        ------
+        PolicyLoadError
+            If this export is not gated (and no fallback is set).
+        """
+        try:
+            if self._x is None:
+                raise PolicyLoadError(f"{self.path}: policy is not loaded ({self.load_error})")
+            if not self.gated:
+                raise PolicyLoadError(f"{self.path}: not a gated export (feature set {self.feature_set.name})")  # type: ignore[union-attr]
+            if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:
+                if not np.isfinite(features).all():
+                    raise ValueError("non-finite feature values (NaN or inf)")
+                self._x[0] = features
+            else:
+                self._x[...] = self._matrix(features)[:1]
+            if self._gate_times is not None:
+                return bool(self._gate_batch(self._x)[0])
+            self._session.run_with_iobinding(self._io_gate)
+            return bool(self._gate_out[0])
+        except Exception as exc:
+            if self.fallback_gamma is None:
+                raise
+            self._fallback(exc)
+            return True
+
+    def _gate_batch(self, x: np.ndarray) -> np.ndarray:
+        if self._gate_times is None:
+            return self._session.run(["gate"], {"features": x})[0].astype(bool)
+        e = self._session.run(["gate_expected_tokens"], {"features": x})[0]
+        codes = np.clip(np.rint(x[:, self._code_index]), 0, N_COMPRESSION_CODES - 1).astype(np.int64)
+        return self.candidates[np.argmax(e / self._gate_times[codes], axis=1)] > 0
+
+    def decide_gated_batch(self, features: Any) -> tuple[np.ndarray, np.ndarray]:
+        """A gated export's decisions per row: ``(gamma, gate_open)``; gamma is 0 where the gate is closed."""
+        if not self.gated:
+            raise PolicyLoadError(f"{self.path}: not a gated export (feature set {self.feature_set.name})")  # type: ignore[union-attr]
+        x = self._matrix(features)
+        opened = self._gate_batch(x)
+        return np.where(opened, self.decide_batch(x), 0).astype(np.int64), opened
+
     def decide_batch(self, features: Any) -> np.ndarray:
-        """Gamma per row of an ``(n, F)`` matrix or DataFrame (no fallback)."""
+        """Gamma per row of an ``(n, F)`` matrix or DataFrame (no fallback; a gated export: the length head's)."""
         x = self._matrix(features)
         if self._times is not None:
             return self._priced(self._session.run(["expected_tokens"], {"features": x})[0], x)[0]

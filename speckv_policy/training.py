@@ -7,10 +7,12 @@ from typing import Any
 
 import joblib
 import pandas as pd
+from sklearn.base import clone
 
 from .atomic import atomic_write
 from .objective import CostModel
-from .policies import POLICIES, GammaPolicy, check_candidates, training_data
+from .policies import POLICIES, GammaPolicy, GatedPolicy, check_candidates, training_data
+from .policies.gated import GATED_FEATURE_SET
 
 DEFAULT_FEATURE_SET = {"mlp": "online", "gbt": "online", "table": "online", "fixed": "online", "paper-mlp16": "paper"}
 
@@ -26,11 +28,24 @@ def make_policy(
 ) -> GammaPolicy:
     """A policy of ``kind`` (``mlp``, ``gbt``, ``table``, ``fixed``, ``paper-mlp16``).
 
+    ``feature_set='gated'`` makes a :class:`GatedPolicy` whose gate and length
+    head are both of ``kind``.
+
     Options left ``None`` keep each policy's own default (the paper recipe
     keeps its tokens-per-step objective and {2, 4, 6, 8}).
     """
     if kind not in POLICIES:
         raise ValueError(f"unknown policy {kind!r}; expected one of {', '.join(POLICIES)}")
+    if feature_set == GATED_FEATURE_SET:  # a gate and a length head, both of this family
+        if kind in ("fixed", "paper-mlp16"):
+            raise ValueError(f"feature_set='gated' composes two learned policies; {kind!r} is not one")
+        part = make_policy(kind, objective=objective, candidates=candidates, cost_model=cost_model)
+        gated: dict[str, Any] = {"gate": part, "head": clone(part), "cost_model": cost_model}
+        if objective is not None:
+            gated["objective"] = objective
+        if candidates is not None:
+            gated["candidates"] = tuple(int(c) for c in check_candidates(candidates))
+        return GatedPolicy(**gated)
     params: dict[str, Any] = {"cost_model": cost_model, "feature_set": feature_set or DEFAULT_FEATURE_SET[kind]}
     if objective is not None:
         params["objective"] = objective
@@ -39,6 +54,17 @@ def make_policy(
     elif candidates is not None:
         params["candidates"] = tuple(int(c) for c in check_candidates(candidates))
     return POLICIES[kind](**params)
+
+
+def batch_chooser(policy: GammaPolicy) -> Any:
+    """The batch choose function :func:`speckv_policy.evaluation.evaluate` takes for a fitted policy.
+
+    ``policy.predict``, except for a :class:`GatedPolicy`, whose function
+    returns ``(gamma, gate_open)`` so that the probe is priced where the gate opens.
+    """
+    if isinstance(policy, GatedPolicy):
+        return lambda X: (policy.predict(X), policy.predict_gate(X))
+    return policy.predict
 
 
 def fit_from_log(policy: GammaPolicy, log: pd.DataFrame, split: str | None = "train") -> GammaPolicy:

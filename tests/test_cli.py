@@ -185,16 +185,16 @@ def test_shipped_exports_match_the_shipped_log(prefix, log_path):
     log = read_log(log_path)
     files = sorted((ROOT / "exported").glob(f"{prefix}-*.onnx"))
     kinds = {f"{prefix}-{k}" for k in ("mlp", "gbt", "table", "paper-mlp16", "fixed4")}
-    if (
-        prefix == "smollm2"
-    ):  # policies on the 'pre' features (speckv-export --feature-set pre, datasets/smollm2/build.sh)
-        kinds |= {f"{prefix}-{k}-pre" for k in ("mlp", "gbt", "table")}
+    if prefix == "smollm2":  # decided before drafting: --feature-set pre / gated (datasets/smollm2/build.sh)
+        kinds |= {f"{prefix}-{k}-{m}" for k in ("mlp", "gbt", "table") for m in ("pre", "gated")}
     assert {f.stem for f in files} == kinds
     for f in files:
         rt = RuntimePolicy(f)
         name = f.stem.removeprefix(f"{prefix}-")
-        kind = {"fixed4": "fixed"}.get(name.removesuffix("-pre"), name.removesuffix("-pre"))
-        policy = make_policy(kind, feature_set="pre" if name.endswith("-pre") else None)
+        base, _, mode = name.partition("-")
+        kind = {"fixed4": "fixed"}.get(base, base if mode in ("pre", "gated") else name)
+        policy = make_policy(kind, feature_set=mode if mode in ("pre", "gated") else None)
+        assert rt.gated == (mode == "gated"), f
         X, y = training_data(log, policy.feature_set, split="train")
         assert rt.metadata["speckv.training_fingerprint"] == data_fingerprint(X, y[:, 0], y[:, 1]), f
         Xh, _ = training_data(log, policy.feature_set, split="heldout")

@@ -12,6 +12,7 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 from speckv_policy.objective import CostModel
 from speckv_policy.policies import (
     FixedGammaPolicy,
+    GatedPolicy,
     GBTPolicy,
     MLPPolicy,
     PaperMLP16Policy,
@@ -28,6 +29,8 @@ CHECKED = [
     TablePolicy(feature_set=None),
     FixedGammaPolicy(feature_set=None),
     PaperMLP16Policy(feature_set=None, max_iter=50),
+    # a gate and a length head (feature_set=None: both read every column)
+    GatedPolicy(feature_set=None, gate=GBTPolicy(max_iter=10), head=TablePolicy()),
 ]
 # No check is expected to fail: every policy passes all of them as they are.
 EXPECTED_FAILED: dict = {}

@@ -32,10 +32,25 @@ def _cycle(seq):
     return lambda features: next(it)
 
 
+class _GatedCycle:
+    """A gated policy for mode='gated': the gate opens when the next gamma of the cycle is > 0 or odd-indexed,
+    and the length head returns the next gamma (so an open gate may still choose 0 after the probe)."""
+
+    def __init__(self, seq):
+        self._g = itertools.cycle(seq)
+        self._open = itertools.cycle([bool(g) or i % 2 == 1 for i, g in enumerate(seq)])
+
+    def decide_gate(self, features):
+        return next(self._open)
+
+    def __call__(self, features):
+        return next(self._g)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     gammas=st.lists(st.integers(0, 8), min_size=1, max_size=12),
-    mode=st.sampled_from(["upfront", "per-token", "truncate", "fixed", "pre"]),
+    mode=st.sampled_from(["upfront", "per-token", "truncate", "fixed", "pre", "gated"]),
     prompt=st.lists(st.integers(1, 63), min_size=1, max_size=12),
     n_new=st.integers(1, 40),
 )
@@ -43,11 +58,12 @@ def test_greedy_output_is_the_targets_for_any_gamma_sequence(pair, gammas, mode,
     target, draft = pair
     ids = torch.tensor([prompt])
     ref = _greedy(target, ids, n_new)
-    fs = {"truncate": "paper", "pre": "pre"}.get(mode, "online")
+    fs = {"truncate": "paper", "pre": "pre", "gated": "gated"}.get(mode, "online")
     kw = {"gamma_fn": _cycle(gammas)} if mode == "fixed" else {"feature_set": fs}
     if mode in ("upfront", "per-token") and gammas[0] % 2:
         kw["probe_backoff"] = 4  # plain steps without a probe are lossless too
-    with attach(target, _cycle(gammas), compression="fp32", mode=mode, max_gamma=8, **kw) as h:
+    policy = _GatedCycle(gammas) if mode == "gated" else _cycle(gammas)
+    with attach(target, policy, compression="fp32", mode=mode, max_gamma=8, **kw) as h:
         out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
     assert sum(s.accepted + 1 for s in h.stats) == out.shape[1] - ids.shape[1]
@@ -127,14 +143,17 @@ def _assisted_vs_draft_sampling(target, draft, ids, vocab, n=1500, mode="upfront
     against the target's exact two-token distribution; also the hook handle and the draft's counts."""
     joint = _exact_joint(target, ids, vocab)
     rng = np.random.default_rng(0)
-    fs = "pre" if mode == "pre" else "online"
-    with attach(target, lambda f: int(rng.integers(0, 4)), compression="fp32", mode=mode, feature_set=fs) as h:
+    fs = mode if mode in ("pre", "gated") else "online"
+    policy = lambda f: int(rng.integers(0, 4))  # noqa: E731
+    if mode == "gated":
+        policy = _GatedCycle([int(g) for g in rng.integers(0, 4, size=97)])
+    with attach(target, policy, compression="fp32", mode=mode, feature_set=fs) as h:
         counts = _two_token_counts(target, ids, vocab, n, assistant_model=draft)
     draft_counts = _two_token_counts(draft, ids, vocab, n)
     return h, _chi2_pvalue(counts, joint), _chi2_pvalue(draft_counts, joint), draft_counts
 
 
-@pytest.mark.parametrize("mode", ["upfront", "pre"])
+@pytest.mark.parametrize("mode", ["upfront", "pre", "gated"])
 def test_sampling_keeps_the_target_distribution(mode):
     target, draft = tiny_llama_pair(vocab_size=12, hidden_size=32, noise=0.3, seed=3, init_range=0.15)
     h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(target, draft, torch.tensor([[1, 2, 3]]), 12, mode=mode)

@@ -147,7 +147,23 @@ def test_cli_reports_prompt_errors(tmp_path, capsys):
     assert "line 1: expected a JSON object" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mode, feature_set", [("upfront", "online"), ("pre", "pre")])
+class _RecordingGate:
+    """Gated policy recording, per step, the gate's row and (when it opened) the length head's row."""
+
+    def __init__(self, rng, seen):
+        self.rng, self.seen, self.gate_rows = rng, seen, []
+
+    def decide_gate(self, x):
+        self.gate_rows.append(np.array(x, copy=True))
+        self.seen.append(None)
+        return bool(self.rng.random() < 0.8)
+
+    def __call__(self, x):
+        self.seen[-1] = np.array(x, copy=True)
+        return int(self.rng.integers(0, 6))
+
+
+@pytest.mark.parametrize("mode, feature_set", [("upfront", "online"), ("pre", "pre"), ("gated", "gated")])
 def test_runtime_features_equal_log_features(mode, feature_set):
     """The hook's features at run time and features_from_log on the logged steps are the same numbers."""
     target, draft = tiny_llama_pair(seed=1)
@@ -158,10 +174,13 @@ def test_runtime_features_equal_log_features(mode, feature_set):
         seen.append(np.array(x, copy=True))
         return int(rng.integers(0, 6))
 
-    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    if mode == "gated":
+        policy = _RecordingGate(rng, seen)
+    # repeated tokens, so the context-match signal takes several values
+    ids = torch.tensor([[3, 1, 4, 1, 5, 3, 1, 4]])
     with attach(target, policy, compression="int8", mode=mode, feature_set=feature_set, record_tokens=True) as h:
         target.generate(ids, max_new_tokens=60, do_sample=True, temperature=0.7, assistant_model=draft)
-    prompt = Prompt("p", "code", "train", input_ids=(3, 1, 4, 1, 5))
+    prompt = Prompt("p", "code", "train", input_ids=(3, 1, 4, 1, 5, 3, 1, 4))
     rows = profiler.stats_to_rows(
         h.stats + [h.stats[-1]],
         run_id="r",
@@ -178,6 +197,14 @@ def test_runtime_features_equal_log_features(mode, feature_set):
     runtime = np.array([f for f, s in zip(seen, h.stats) if s.gamma > 0])
     assert len(X) == len(runtime) > 5
     np.testing.assert_allclose(X.to_numpy(), runtime, rtol=1e-6, atol=1e-7)
+    if feature_set != "online":  # the signals vary: the target's confidence and the context match are live
+        assert X["target_confidence"].nunique() > 3 and X["context_match_len"].max() >= 1
+        assert (log["target_confidence"].iloc[0], log["target_entropy"].iloc[0]) == (0.0, 0.0)
+    if mode == "gated":  # the gate saw the same pre columns, its probe columns zero
+        gates = np.array(policy.gate_rows)
+        assert len(gates) == len(h.stats) and np.all(gates[:, -2:] == 0)
+        opened = [g for g, f in zip(gates, seen) if f is not None]
+        np.testing.assert_array_equal(np.array(opened)[:, :-2], np.array([f for f in seen if f is not None])[:, :-2])
 
 
 def test_model_loading_errors_name_the_problem(setup, tmp_path):

@@ -32,11 +32,11 @@ def load_for_eval(path: str, *, trust_pickle: bool = False) -> tuple[str, Callab
         from ..runtime import RuntimePolicy
 
         rt = RuntimePolicy(p)
-        return rt.feature_set.name, rt.decide_batch  # type: ignore[union-attr]
-    from ..training import load_saved_policy
+        return rt.feature_set.name, rt.decide_gated_batch if rt.gated else rt.decide_batch  # type: ignore[union-attr]
+    from ..training import batch_chooser, load_saved_policy
 
     pol = load_saved_policy(p, trusted=trust_pickle)
-    return pol.feature_set, pol.predict
+    return pol.feature_set, batch_chooser(pol)
 
 
 def main(argv: list[str] | None = None) -> int:

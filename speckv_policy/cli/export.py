@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--feature-set",
-        choices=["online", "paper", "pre"],
-        help="default: online (paper for paper-mlp16); pre: decided before drafting (with --decision-draft-tokens 0)",
+        choices=["online", "paper", "pre", "gated"],
+        help="default: online (paper for paper-mlp16); pre: decided before drafting (with --decision-draft-tokens 0); "
+        "gated: a pre-draft gate and an after-probe length head of the --policy family in one file "
+        "(attach(..., mode='gated'); the gate is priced without the probe, the head with it)",
     )
     p.add_argument(
         "--objective",
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..logs import LogValidationError, read_log
     from ..objective import CostModel
     from ..runtime import RuntimePolicy
-    from ..training import fit_from_log, load_saved_policy, make_policy, save_policy
+    from ..training import batch_chooser, fit_from_log, load_saved_policy, make_policy, save_policy
 
     t0 = time.perf_counter()
     log = None
@@ -208,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  trained on {args.train}: {n_train} steps of its 'train' split "
             f"({log.loc[log['split'] == 'train', 'prompt_id'].nunique()} prompts)"
         )
-    print(
-        f"  priced with the cost model of device {cm.device} ({cm.unit}; per compression code; "
-        f"{cm.decision_draft_tokens} draft token(s) paid before deciding):"
+    paid = (
+        "the gate pays no draft token before deciding, the length head the probe"
+        if rt.gated
+        else f"{cm.decision_draft_tokens} draft token(s) paid before deciding"
     )
+    print(f"  priced with the cost model of device {cm.device} ({cm.unit}; per compression code; {paid}):")
     for line in cm.describe():
         print(f"    {line}")
     if log is not None and (log["split"] == "heldout").any():
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
             result, _ = evaluate_log(
                 log,
-                {"policy": (policy.feature_set_, policy.predict)},
+                {"policy": (policy.feature_set_, batch_chooser(policy))},
                 policy_cost=cm,
                 max_gamma=max(8, policy.max_gamma_),
                 n_resamples=1,
@@ -230,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             a = ov["arms"]["policy"]
             X, _ = training_data(log, policy.feature_set_, split="heldout")
             chosen = policy.predict(X)
-            agree = float(np.mean(rt.decide_batch(X) == chosen))
+            onnx_chosen = rt.decide_gated_batch(X)[0] if rt.gated else rt.decide_batch(X)
+            agree = float(np.mean(onnx_chosen == chosen))
             if len(policy.candidates_) > 1:
                 warn_if_one_gamma(type(policy).__name__, chosen, "speckv-export")
             print(

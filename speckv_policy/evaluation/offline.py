@@ -36,6 +36,9 @@ TARGET_ALONE = "fixed-0"
 
 #: Feature sets whose policies decide before any draft token exists (the hook's ``pre`` mode): no probe is priced.
 DECIDED_BEFORE_DRAFTING: tuple[str, ...] = ("pre",)
+#: Feature sets of gated policies: their choose function returns ``(gamma, gate_open)`` and the probe is priced
+#: exactly where the gate opened (the hook's ``gated`` mode).
+GATED_SETS: tuple[str, ...] = ("gated",)
 
 
 @dataclass
@@ -60,7 +63,7 @@ class EvalSet:
 
 def evaluation_set(
     log: pd.DataFrame,
-    feature_sets: tuple[str, ...] = ("online", "paper", "pre"),
+    feature_sets: tuple[str, ...] = ("online", "paper", "pre", "gated"),
     max_gamma: int = 8,
     split: str = "heldout",
 ) -> EvalSet:
@@ -298,11 +301,25 @@ def evaluate(
     for name, (fs, choose) in policies.items():
         if fs not in eval_set.features:
             raise ValueError(f"policy {name!r} needs feature set {fs!r}, not computed for this evaluation")
-        g = np.asarray(choose(eval_set.features[fs]), dtype=np.int64).reshape(-1)
+        out = choose(eval_set.features[fs])
+        opened = None
+        if fs in GATED_SETS:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError(f"policy {name!r} on feature set {fs!r} must return (gamma, gate_open) per row")
+            out, opened = out
+        g = np.asarray(out, dtype=np.int64).reshape(-1)
         if g.shape[0] != len(rows):
             raise ValueError(f"policy {name!r} returned {g.shape[0]} choices for {len(rows)} rows")
         if (g < 0).any():
             raise ValueError(f"policy {name!r} returned a negative gamma")
+        if opened is not None:  # gated: the probe is paid where the gate opened, nowhere else
+            opened = np.asarray(opened, dtype=bool).reshape(-1)
+            if opened.shape[0] != len(rows) or (g[~opened] != 0).any():
+                raise ValueError(f"policy {name!r}: gate_open must have one entry per row, and a closed gate gamma 0")
+            tok, t_probe = step_outcomes(g, rows, replace(policy_cost, decision_draft_tokens=1))
+            _, t_plain = step_outcomes(g, rows, replace(policy_cost, decision_draft_tokens=0))
+            arms.append(Arm(name, tok, np.where(opened, t_probe, t_plain), g, kind="policy"))
+            continue
         # a policy on the 'pre' features decides before any draft token exists: it never pays a probe
         cost = replace(policy_cost, decision_draft_tokens=0) if fs in DECIDED_BEFORE_DRAFTING else policy_cost
         arms.append(Arm(name, *step_outcomes(g, rows, cost), g, kind="policy"))

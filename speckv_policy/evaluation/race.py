@@ -37,7 +37,9 @@ rotates from prompt to prompt so no arm always runs first):
   runs on (``speckv-calibrate``, run first, as a user would); ``{mlp,gbt,table}-live``: re-priced after every step
   from live estimates of draft and verify times (``attach(..., costs="live")``, kept across the prompts of a block);
   ``{mlp,gbt,table}-pre`` where ``exported/`` holds ``*-pre.onnx``: policies on the ``pre`` features that choose
-  gamma before drafting (``attach(..., mode="pre")``), no probe.
+  gamma before drafting (``attach(..., mode="pre")``), no probe; ``{mlp,gbt,table}-gated`` where it holds
+  ``*-gated.onnx``: a pre-draft gate, then a length head after the probe (``attach(..., mode="gated")``); both also
+  ``*-repriced`` by the calibration when there is one.
 
 Every greedy output is compared with the target's own greedy output for the same prompt;
 any difference is reported (and makes the exit status 1). Results: medians of time per output
@@ -269,9 +271,12 @@ def make_arms(
             variants.append(("repriced", {"mode": "upfront", "costs": costs}))
         variants.append(("live", {"mode": "upfront", "costs": "live"}))
         arms += [ArmSpec(f"{kind}-{tag}", policy=export, group="ours", **kw) for tag, kw in variants]
-        pre = policy_dir / f"{prefix}{kind}-pre.onnx"  # trained on the 'pre' features: decides before drafting
-        if pre.exists():
-            arms.append(ArmSpec(f"{kind}-pre", policy=pre, group="ours", mode="pre"))
+        for mode in ("pre", "gated"):  # decided before drafting; gated: a gate, then a length head after the probe
+            export = policy_dir / f"{prefix}{kind}-{mode}.onnx"
+            if export.exists():
+                arms.append(ArmSpec(f"{kind}-{mode}", policy=export, group="ours", mode=mode))
+                if costs is not None:
+                    arms.append(ArmSpec(f"{kind}-{mode}-repriced", policy=export, group="ours", mode=mode, costs=costs))
     if names:
         unknown = sorted(set(names) - {a.name for a in arms})
         if unknown:

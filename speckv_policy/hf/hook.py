@@ -33,9 +33,16 @@ Decision modes
     profiler's schedules and fixed-gamma baselines); no features.
 ``pre``
     The policy chooses gamma before drafting from the ``pre`` features
-    (acceptance history, context length, compression, temperature): no probe,
-    so gamma 0 costs nothing but the target step. Export such a policy with
-    ``--decision-draft-tokens 0``.
+    (acceptance history, the target's confidence and entropy at the last
+    verified position, the context's self-repetition, context length,
+    compression, temperature): no probe, so gamma 0 costs nothing but the
+    target step. Export such a policy with ``--decision-draft-tokens 0``.
+``gated``
+    A gated policy (``speckv-export --feature-set gated``): its gate decides
+    from the ``pre`` features whether to draft at all (closed: a plain target
+    step, no probe); when it opens, the draft's first token is the probe and
+    the length head picks gamma from the ``gated`` features (every ``pre``
+    feature plus the probe token's confidence and entropy).
 
 This module imports torch and transformers; :mod:`speckv_policy.runtime` does not
 import it.
@@ -44,6 +51,7 @@ import it.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 import warnings
@@ -55,15 +63,21 @@ import numpy as np
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-from ..features import OnlineFeatureState, draft_token_stats_from_logits, paper_features
+from ..features import (
+    OnlineFeatureState,
+    context_match_len,
+    draft_token_stats_from_logits,
+    gated_features,
+    paper_features,
+)
 from ..runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
-from ..schema import COMPRESSIONS, ONLINE, PAPER, PRE, FeatureSet, compression_code, get_feature_set
+from ..schema import COMPRESSIONS, GATED, ONLINE, PAPER, PRE, FeatureSet, compression_code, get_feature_set
 from . import _compat
 from ._compat import AssistedCandidateGenerator
 from .lean_draft import LeanDraft
 from .live_costs import LiveCosts
 
-MODES = ("upfront", "per-token", "truncate", "fixed", "pre")
+MODES = ("upfront", "per-token", "truncate", "fixed", "pre", "gated")
 DRAFT_LOOPS = ("lean", "generate")
 DEFAULT_MAX_GAMMA = 8
 
@@ -117,6 +131,10 @@ class StepStats:
     draft_confidence: list[float] = field(default_factory=list)
     draft_entropy: list[float] = field(default_factory=list)
     draft_token_prob: list[float] = field(default_factory=list)
+    #: the ``pre`` signals as they were before the step (NaN where the hook did not compute them)
+    target_confidence: float = math.nan
+    target_entropy: float = math.nan
+    context_match_len: float = math.nan
 
 
 class _Decider:
@@ -136,6 +154,7 @@ class _Decider:
         self.source = policy
         self.load_error: Exception | None = None
         self.runtime: RuntimePolicy | None = None
+        self._gate: Callable[[Any], Any] | None = None  # a gated policy's pre-draft gate
         if isinstance(policy, RuntimePolicy) and own_runtime and policy.load_error is None:
             policy = policy.path  # a private copy to re-price: the caller's object stays as it is
         if isinstance(policy, (str, os.PathLike)):
@@ -152,19 +171,26 @@ class _Decider:
                 raise error
 
             self._fn = _broken
+            self._gate = _broken
         elif isinstance(policy, RuntimePolicy):
             self.feature_set = policy.feature_set or feature_set
             cands = policy.candidates
             self._fn = policy.decide
+            self._gate = policy.decide_gate if policy.gated else None
             self.runtime = policy
         elif hasattr(policy, "predict") and hasattr(policy, "candidates_"):
             self.feature_set = get_feature_set(policy.feature_set_) if policy.feature_set_ else feature_set
             cands = policy.candidates_
-            self._fn = lambda x: policy.predict(np.asarray(x, dtype=np.float32).reshape(1, -1))[0]
+            if hasattr(policy, "predict_gate"):  # a fitted GatedPolicy: the gate, then its length head
+                self._fn = lambda x: policy.predict_length(np.asarray(x, dtype=np.float32).reshape(1, -1))[0]
+                self._gate = lambda x: policy.predict_gate(np.asarray(x, dtype=np.float32).reshape(1, -1))[0]
+            else:
+                self._fn = lambda x: policy.predict(np.asarray(x, dtype=np.float32).reshape(1, -1))[0]
         elif callable(policy):
             self.feature_set = feature_set
             cands = None
             self._fn = policy
+            self._gate = getattr(policy, "decide_gate", None)  # e.g. an object with __call__ and decide_gate
         else:
             raise TypeError(
                 f"policy must be an .onnx path, a RuntimePolicy, a fitted GammaPolicy or a callable; got {type(policy).__name__}"
@@ -185,6 +211,21 @@ class _Decider:
                 stacklevel=2,
             )
         return min(self.fallback_gamma, self.max_gamma)
+
+    @property
+    def has_gate(self) -> bool:
+        return self._gate is not None
+
+    def gate(self, features: Any) -> tuple[bool, bool]:
+        """``(open, fell_back)`` from a gated policy's gate; a failing gate opens (the head or the fallback decides)."""
+        try:
+            opened = self._gate(features)  # type: ignore[misc]
+            if not isinstance(opened, (bool, np.bool_, int, np.integer)) or int(opened) not in (0, 1):
+                raise ValueError(f"the gate returned {opened!r}, expected a bool")
+            return bool(opened), False
+        except Exception as exc:  # a broken gate must never break generation
+            self._fail(f"gate: {type(exc).__name__}: {exc}")
+            return True, True
 
     def __call__(self, features: Any) -> tuple[int, bool]:
         try:
@@ -233,6 +274,10 @@ class _Controller:
         self._backoff = 0  # current back-off length
         self.draft_loop = "lean"
         self.draft_loop_used = ""
+        # the pre-draft signals: computed when a pre decision needs them or a profile records them
+        self.signals = record_tokens or mode in ("pre", "gated")
+        self._pre_row: np.ndarray | None = None  # gated mode: the step's pre features, completed by the probe
+        self._signal_us = 0.0  # time spent on them after the last verification, charged to the next decision
 
     # -- sequence / step bookkeeping --------------------------------------
     def begin(self, generation_config: Any, device: torch.device) -> None:
@@ -242,6 +287,32 @@ class _Controller:
         self.step = 0
         self._device = device
         self._skip = self._backoff = 0
+        self._signal_us = 0.0
+
+    def start_step(self, input_ids: torch.Tensor) -> float:
+        """Open the step's stats; with signals on, record the pre-draft signals. Returns the step's start time."""
+        t0 = self.clock()
+        cur = input_ids.shape[-1]
+        self.current = StepStats(generation=self.generations, step=self.step, context_len=cur, gamma=0, drafted=0)
+        if self.signals:
+            assert self.state is not None
+            t = time.perf_counter()
+            self.current.context_match_len = float(context_match_len(input_ids))
+            self.current.target_confidence = self.state.target_confidence
+            self.current.target_entropy = self.state.target_entropy
+            self.current.decision_us += (time.perf_counter() - t) * 1e6 + self._signal_us
+            self._signal_us = 0.0
+        return t0
+
+    def observe_verification(self, scores: torch.Tensor, num_matches: int) -> None:
+        """With signals on: the target's confidence and entropy at the last verified position, for the next step."""
+        if not self.signals or self.state is None:
+            return
+        t = time.perf_counter()
+        pos = min(int(num_matches), scores.shape[1] - 1)
+        conf, ent = draft_token_stats_from_logits(scores[0, pos])
+        self.state.observe_target(float(conf), float(ent))
+        self._signal_us = (time.perf_counter() - t) * 1e6
 
     def skip_probe(self) -> bool:
         """Whether this step is a plain target step by probe back-off (and count it)."""
@@ -273,11 +344,24 @@ class _Controller:
         self.current.fallback |= fell_back
         return g
 
-    def plan_pre(self, context_len: int) -> int:
-        """``pre`` mode: the policy's gamma from the history features, before any draft token."""
-        assert self.state is not None
+    def plan_pre(self) -> int:
+        """``pre`` mode: the policy's gamma from the pre-draft signals, before any draft token."""
+        assert self.state is not None and self.current is not None
         t = time.perf_counter()
-        return min(self._decide(self.state.pre_features(context_len), t), self.max_gamma)
+        cur = self.current
+        x = self.state.pre_features(cur.context_len, int(cur.context_match_len))
+        return min(self._decide(x, t), self.max_gamma)
+
+    def plan_gate(self) -> bool:
+        """``gated`` mode: whether the gate opens (draft, probe first) for this step, before any draft token."""
+        assert self.state is not None and self.current is not None and self.decider is not None
+        t = time.perf_counter()
+        cur = self.current
+        self._pre_row = self.state.pre_features(cur.context_len, int(cur.context_match_len))
+        opened, fell_back = self.decider.gate(gated_features(self._pre_row, 0.0, 0.0))
+        cur.decision_us += (time.perf_counter() - t) * 1e6
+        cur.fallback |= fell_back
+        return opened
 
     def plan_fixed(self) -> int:
         assert self.gamma_fn is not None
@@ -294,6 +378,13 @@ class _Controller:
             if k == 1:
                 conf, ent = draft_token_stats_from_logits(logits)
                 self._plan = self._decide(self.state.features(float(conf), float(ent), context_len), t)
+                self._kept = min(self._plan, self.max_gamma)
+            return k >= max(self._kept, 1)
+        if self.mode == "gated":  # the gate opened: the length head reads the probe token
+            if k == 1:
+                assert self._pre_row is not None
+                conf, ent = draft_token_stats_from_logits(logits)
+                self._plan = self._decide(gated_features(self._pre_row, float(conf), float(ent)), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
         # per-token: would a step starting from this token's distribution draft?
@@ -402,11 +493,12 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         c = self.controller
         input_ids = input_ids.to(self.assistant_model.device)
         cur = input_ids.shape[-1]
-        t0 = c.clock()
+        t0 = c.start_step(input_ids)
         budget = self.main_model_max_length - cur - 1
-        c.current = StepStats(generation=c.generations, step=c.step, context_len=cur, gamma=0, drafted=0)
         if c.mode == "pre":
-            cap = min(c.plan_pre(cur), budget)
+            cap = min(c.plan_pre(), budget)
+        elif c.mode == "gated":
+            cap = min(c.max_gamma, budget) if c.plan_gate() else 0
         else:
             cap = min(c.plan_fixed() if c.mode == "fixed" else c.max_gamma, budget)
         if c.probe_backoff and cap > 0 and c.skip_probe():
@@ -415,17 +507,17 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         if cap <= 0:
             c._verify_t0 = c.clock()
             return input_ids, None
-        if c.mode in ("upfront", "per-token"):
+        if c.mode in ("upfront", "per-token", "gated"):
             c._kept = 0
         if self.lean is not None:
-            stop = c.on_draft_token if c.mode in ("upfront", "per-token") else None
+            stop = c.on_draft_token if c.mode in ("upfront", "per-token", "gated") else None
             ids, logits = self.lean.draft(input_ids, cap, stop)
         else:
             self.num_assistant_tokens = cap
             min_new, max_new = _compat.calculate_new_tokens(self, input_ids)
             _compat.sync_draft_inputs(self, input_ids)  # also after steps that skipped the draft
             args = _compat.prepare_generation_args(self, input_ids, min(min_new, max_new), max_new)
-            if c.mode in ("upfront", "per-token"):
+            if c.mode in ("upfront", "per-token", "gated"):
                 args["stopping_criteria"] = StoppingCriteriaList([_PolicyStop(c, cur)])
             ids, logits = _compat.generate_candidates(self, args)
         gamma = c.finish_draft(logits)
@@ -446,6 +538,7 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         if self.lean is None and step is not None:  # the generate() path: keep only verified draft positions
             _compat.crop_draft_cache(self, step.context_len + min(int(num_matches), step.gamma))
         self.controller.end_step(int(num_matches))
+        self.controller.observe_verification(scores, int(num_matches))
 
 
 class SpeckvHandle:
@@ -590,7 +683,7 @@ def attach(
     compression : str or None
         ``fp16``, ``bf16``, ``fp32``, ``int8`` or ``nf4``; ``None`` detects it
         from the target (:func:`detect_compression`).
-    mode : {'upfront', 'per-token', 'truncate', 'fixed', 'pre'}
+    mode : {'upfront', 'per-token', 'truncate', 'fixed', 'pre', 'gated'}
         See the module docstring.
     max_gamma : int or None
         Cap on draft tokens per step; default: the policy's largest candidate.
@@ -598,7 +691,7 @@ def attach(
         Gamma used, with one warning, when the policy fails or returns
         nonsense: 0..max_gamma; ``None`` means 4 (or max_gamma if smaller).
     feature_set : str or None
-        Feature set of a callable policy (``online``, ``paper`` or ``pre``).
+        Feature set of a callable policy (``online``, ``paper``, ``pre`` or ``gated``).
     gamma_fn : callable or None
         ``gamma_fn(step) -> int`` for ``mode='fixed'``.
     record_tokens : bool
@@ -674,15 +767,20 @@ def attach(
         )
         if fallback_gamma is not None and fallback_gamma > decider.max_gamma:
             raise ValueError(f"fallback_gamma {fallback_gamma} exceeds max_gamma {decider.max_gamma}")
-        want = {"truncate": PAPER, "pre": PRE}.get(mode, ONLINE)
+        want = {"truncate": PAPER, "pre": PRE, "gated": GATED}.get(mode, ONLINE)
         if decider.feature_set is None and decider.load_error is not None:
             decider.feature_set = want  # unreadable policy file: every step falls back anyway
         if decider.feature_set is None:
-            raise ValueError("a callable policy needs feature_set= ('online', 'paper' or 'pre')")
+            raise ValueError("a callable policy needs feature_set= ('online', 'paper', 'pre' or 'gated')")
         if decider.feature_set.name != want.name:
             raise ValueError(
                 f"mode={mode!r} computes the {want.name!r} feature set but the policy expects "
                 f"{decider.feature_set.name!r}"
+            )
+        if mode == "gated" and not decider.has_gate:
+            raise ValueError(
+                "mode='gated' needs a gated policy: an export of speckv-export --feature-set gated, a fitted "
+                "GatedPolicy, or a callable with a decide_gate(features) method"
             )
     if _compat.has_installed_candidate_generator(target):
         raise RuntimeError("a speckv policy is already attached to this model; detach() it first")

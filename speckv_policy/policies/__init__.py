@@ -2,6 +2,7 @@
 
 from .base import MAX_CANDIDATE_GAMMA, GammaPolicy, check_candidates, objective_scorer, training_data
 from .baselines import FixedGammaPolicy, PaperMLP16Policy
+from .gated import GatedPolicy
 from .gbt import GBTPolicy
 from .mlp import MLPPolicy
 from .table import TablePolicy
@@ -18,6 +19,7 @@ __all__ = [
     "GammaPolicy",
     "MLPPolicy",
     "GBTPolicy",
+    "GatedPolicy",
     "TablePolicy",
     "FixedGammaPolicy",
     "PaperMLP16Policy",

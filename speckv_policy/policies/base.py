@@ -70,7 +70,7 @@ SHARED_PARAMETERS_DOC = """\
         What the decision maximises.
     cost_model : CostModel or None, default=None
         Step-time model; ``None`` means :meth:`CostModel.relative`.
-    feature_set : {'online', 'paper', 'pre'} or None, default='online'
+    feature_set : {'online', 'paper', 'pre', 'gated'} or None, default='online'
         Feature schema of ``X``.
 """
 
@@ -103,7 +103,7 @@ class GammaPolicy:
     cost_model : CostModel or None
         Step-time model; ``None`` uses :meth:`CostModel.relative` (draft cost
         0.1 of a target step, +0.05 per verified draft token).
-    feature_set : {'online', 'paper', 'pre'} or None
+    feature_set : {'online', 'paper', 'pre', 'gated'} or None
         Feature schema of ``X``. DataFrames are reordered by name; arrays must
         follow the schema's order. ``None`` accepts any columns and treats
         every row as full precision.

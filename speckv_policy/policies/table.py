@@ -17,6 +17,7 @@ DEFAULT_BINNED = {
     "online": ("conf_first", "compression_code", "ema_accept_rate"),
     "paper": ("mean_confidence", "compression_code", "max_entropy_bits"),
     "pre": ("ema_accept_rate", "compression_code", "prev_fully_accepted"),
+    "gated": ("conf_first", "compression_code", "ema_accept_rate"),
 }
 
 
