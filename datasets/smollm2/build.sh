@@ -38,10 +38,13 @@ rm -f datasets/smollm2/steps.parquet  # a new draft needs a fresh profile (speck
 
 # 4. Default policies, trained on the training prompts' steps only -> exported/smollm2-*.onnx
 .venv/bin/speckv-quickstart --log datasets/smollm2/steps.parquet --out exported
-#    ... and the policies that decide before drafting ('pre' features, no probe) -> exported/smollm2-*-pre.onnx
+#    ... the policies that decide before drafting ('pre' features, no probe) -> exported/smollm2-*-pre.onnx
+#    ... and the gated ones (a pre-draft gate + a length head after the probe) -> exported/smollm2-*-gated.onnx
 for k in gbt mlp table; do
     .venv/bin/speckv-export "exported/smollm2-$k-pre.onnx" --train datasets/smollm2/steps.parquet --policy "$k" \
         --feature-set pre --decision-draft-tokens 0
+    .venv/bin/speckv-export "exported/smollm2-$k-gated.onnx" --train datasets/smollm2/steps.parquet --policy "$k" \
+        --feature-set gated --decision-draft-tokens 1
 done
 
 # 5. Offline evaluation on the held-out prompts (paired bootstrap, seconds) -> docs/eval/
