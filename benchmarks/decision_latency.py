@@ -14,6 +14,7 @@ called once per candidate gamma (4 calls), then the argmax. The paper reports
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
@@ -68,15 +69,20 @@ def _in_generation(exported: str, report) -> None:
     for path in sorted(Path(exported).glob("*.onnx")):
         if "paper" in path.stem:
             continue  # truncate mode drafts gamma_max first; timed the same way below would mix modes
-        if path.stem.endswith("-pre"):  # decided before drafting, from history: no features on the logits
+        mode = path.stem.rsplit("-", 1)[-1]
+        if mode in ("pre", "gated"):  # decided before drafting (gated: then the length head if the gate opens)
             if draft is None:
                 continue
             before = []
             for ids in inputs:
-                with attach(target, str(path), compression="fp32", mode="pre") as h:
+                with attach(target, str(path), compression="fp32", mode=mode) as h:
                     target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
                 before += [s.decision_us for s in h.stats]
-            report(path.stem, "inside generate (distilled draft, pre mode, us per decision)", np.asarray(before))
+            report(
+                path.stem,
+                f"inside generate (distilled draft, {mode} mode, us per step: pre-draft signals + decision(s))",
+                np.asarray(before),
+            )
             continue
         times, upfront = [], []
         for ids in inputs:
@@ -112,22 +118,44 @@ def _after_forward(exported: str, report) -> None:
         print(f"(after-forward timing skipped: {exc})")
         return
     ids = torch.randint(100, 5000, (1, 60), generator=torch.Generator().manual_seed(0))
-    x = np.array([0.8, 0.5, 0.0, 0.6, 0.6, 4.0, 0.0], np.float32)
     w = np.random.default_rng(0).random((7, 32)).astype(np.float32)
-    calls = {
-        p.stem: RuntimePolicy(p).decide for p in sorted(Path(exported).glob("smollm2-*.onnx")) if "paper" not in p.stem
-    }
-    calls["numpy 1x7 @ 7x32 matmul + argmax"] = lambda v: int(np.argmax(np.maximum(v @ w, 0)))
+    calls = {}
+    for p in sorted(Path(exported).glob("smollm2-*.onnx")):
+        if "paper" in p.stem:
+            continue
+        rt = RuntimePolicy(p)
+        calls[p.stem] = functools.partial(rt.decide, np.zeros(rt.feature_set.n_features, np.float32))
+    # is it onnxruntime's set-up? the same GBT graph under other session options (memory arena, spinning, fusion)
+    import onnxruntime as ort
+
+    gbt = Path(exported) / "smollm2-gbt.onnx"
+    for label, setup in (
+        ("no memory arena", lambda o: setattr(o, "enable_cpu_mem_arena", False)),
+        ("no thread spinning", lambda o: o.add_session_config_entry("session.intra_op.allow_spinning", "0")),
+        (
+            "all graph optimizations",
+            lambda o: setattr(o, "graph_optimization_level", ort.GraphOptimizationLevel.ORT_ENABLE_ALL),
+        ),
+    ):
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = 1, 1
+        setup(opts)
+        sess = ort.InferenceSession(str(gbt), opts, providers=["CPUExecutionProvider"])
+        row = np.zeros((1, 7), np.float32)
+        calls[f"smollm2-gbt, session option: {label}"] = functools.partial(sess.run, ["gamma"], {"features": row})
+    x = np.array([0.8, 0.5, 0.0, 0.6, 0.6, 4.0, 0.0], np.float32)
+    calls["numpy 1x7 @ 7x32 matmul + argmax"] = lambda: int(np.argmax(np.maximum(x @ w, 0)))
+    calls["pure Python: 7 multiply-adds"] = lambda: sum(v * 1.5 for v in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7))
     for name, fn in calls.items():
         first, again = [], []
         for _ in range(25):
             with torch.no_grad():
                 target(ids)
             t = time.perf_counter_ns()
-            fn(x)
+            fn()
             first.append((time.perf_counter_ns() - t) / 1000)
             t = time.perf_counter_ns()
-            fn(x)
+            fn()
             again.append((time.perf_counter_ns() - t) / 1000)
         report(name, "first call right after a SmolLM2 forward", np.asarray(first))
         report(name, "the same call again at once", np.asarray(again))
@@ -159,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     from speckv_policy.training import fit_from_log, make_policy
 
     log = read_log(args.log)
-    rows = {fs: training_data(log, fs, split="heldout")[0].to_numpy(np.float32) for fs in ("online", "paper", "pre")}
+    rows = {
+        fs: training_data(log, fs, split="heldout")[0].to_numpy(np.float32)
+        for fs in ("online", "paper", "pre", "gated")
+    }
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, onnxruntime {ort.__version__}, scikit-learn {sklearn.__version__}"
