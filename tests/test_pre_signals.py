@@ -208,3 +208,47 @@ def test_synthetic_signals_start_at_zero_before_the_first_verification():
     first = log.groupby(["run_id", "prompt_id"]).head(1)
     assert (first["target_confidence"] == 0).all() and (first["target_entropy"] == 0).all()
     assert pd.api.types.is_float_dtype(log["context_match_len"])
+
+
+def test_a_gated_export_runs_in_the_hook_losslessly(gated_gbt, tmp_path):
+    import torch
+
+    from speckv_policy.hf import attach
+    from speckv_policy.testing import tiny_llama_pair
+
+    path = tmp_path / "gated.onnx"
+    export_onnx(gated_gbt, path)
+    target, draft = tiny_llama_pair(seed=0)
+    ids = torch.tensor([[1, 2, 3, 1, 2]])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    with attach(target, str(path), compression="nf4", mode="gated") as h:
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    assert h.summary()["fallbacks"] == 0 and h.stats
+
+    class Recording:  # the same export, its gate and head calls recorded
+        def __init__(self):
+            self.rt, self.gates, self.heads = RuntimePolicy(path), [], 0
+
+        def decide_gate(self, x):
+            self.gates.append(self.rt.decide_gate(x))
+            return self.gates[-1]
+
+        def __call__(self, x):
+            self.heads += 1
+            return self.rt.decide(x)
+
+    rec = Recording()
+    with attach(target, rec, compression="nf4", mode="gated", feature_set="gated", max_gamma=8) as h:
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    # one gate call per step; a closed gate drafts nothing and asks no head; the head reads every probe
+    # (an open gate drafts nothing only when the token budget is spent)
+    assert len(rec.gates) == len(h.stats) and rec.heads == sum(s.drafted > 0 for s in h.stats)
+    assert all(opened or s.drafted == 0 for s, opened in zip(h.stats, rec.gates))
+    assert all(opened for s, opened in zip(h.stats, rec.gates) if s.drafted > 0)
+    assert 0 < sum(rec.gates) < len(rec.gates)  # this export's gate both opens and closes on this prompt
+    with pytest.raises(ValueError, match="gated export is re-priced with a cost model"):
+        attach(target, str(path), compression="fp32", mode="gated", costs="live")
+    with pytest.raises(ValueError, match="mode='gated' needs a gated policy"):
+        attach(target, lambda x: 1, compression="fp32", mode="gated", feature_set="gated")

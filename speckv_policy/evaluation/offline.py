@@ -63,13 +63,15 @@ class EvalSet:
 
 def evaluation_set(
     log: pd.DataFrame,
-    feature_sets: tuple[str, ...] = ("online", "paper", "pre", "gated"),
+    feature_sets: tuple[str, ...] = ("online", "paper"),
     max_gamma: int = 8,
     split: str = "heldout",
 ) -> EvalSet:
     """Select the ``split`` steps that drafted at least ``max_gamma`` tokens.
 
-    Features are computed over the whole log first (the online state of a step
+    ``feature_sets`` defaults to the sets every log supports; ``pre`` and
+    ``gated`` need a log of schema v2 (:func:`evaluate_log` asks for what its
+    policies read). Features are computed over the whole log first (the online state of a step
     depends on the steps before it in its run), then restricted to those rows.
 
     Raises
