@@ -182,6 +182,10 @@ def test_the_evaluator_charges_the_probe_exactly_where_the_gate_opens(synthetic)
     assert arms["closed"]["vs_target"] == pytest.approx(1.0, abs=1e-12)  # a closed gate is the target alone
     assert arms["probe0"]["vs_target"] < 1.0  # an open gate pays its probe even when the head then says 0
     assert arms["probe4"]["tokens_per_second"] == pytest.approx(arms["fixed-4"]["tokens_per_second"])
+    gates = res["gates"]
+    assert gates["closed"]["overall"] == {"open": 0.0, "open_then_zero": 0.0}
+    assert gates["probe0"]["overall"] == {"open": 1.0, "open_then_zero": 1.0}
+    assert gates["probe4"]["int8"] == {"open": 1.0, "open_then_zero": 0.0}
     with pytest.raises(ValueError, match=r"must return \(gamma, gate_open\)"):
         evaluate_log(log, {"bad": ("gated", lambda X: np.zeros(len(X), np.int64))}, policy_cost=cm, n_resamples=2)
     with pytest.raises(ValueError, match="a closed gate gamma 0"):

@@ -293,13 +293,17 @@ def evaluate(
         ``groups``: group -> :func:`summarize` result; ``bootstrap``: group ->
         :func:`paired_bootstrap` result for ``overall``, each compression level
         and each task type; ``gamma_histogram``: policy -> compression -> counts
-        of gamma 0..max; plus ``rows``, ``prompts``, ``max_gamma``.
+        of gamma 0..max; ``gates``: gated policy -> ``overall`` / compression ->
+        fractions of steps whose gate opened (``open``) and that then chose 0
+        after paying the probe (``open_then_zero``); plus ``rows``, ``prompts``,
+        ``max_gamma``.
     """
     rows = eval_set.rows
     ref_cost = reference_cost or replace(policy_cost, decision_draft_tokens=0)
     if ref_cost.unit != policy_cost.unit:
         raise ValueError("policy_cost and reference_cost must use the same unit")
     arms = reference_arms(rows, ref_cost, eval_set.max_gamma)
+    gates: dict[str, np.ndarray] = {}
     for name, (fs, choose) in policies.items():
         if fs not in eval_set.features:
             raise ValueError(f"policy {name!r} needs feature set {fs!r}, not computed for this evaluation")
@@ -321,6 +325,7 @@ def evaluate(
             tok, t_probe = step_outcomes(g, rows, replace(policy_cost, decision_draft_tokens=1))
             _, t_plain = step_outcomes(g, rows, replace(policy_cost, decision_draft_tokens=0))
             arms.append(Arm(name, tok, np.where(opened, t_probe, t_plain), g, kind="policy"))
+            gates[name] = opened
             continue
         # a policy on the 'pre' features decides before any draft token exists: it never pays a probe
         cost = replace(policy_cost, decision_draft_tokens=0) if fs in DECIDED_BEFORE_DRAFTING else policy_cost
@@ -352,6 +357,19 @@ def evaluate(
             if c in masks
         }
     result["gamma_histogram"] = hist
+    # gated policies: how often the gate opened, and how often it then paid the probe for a head that chose 0
+    result["gates"] = {
+        a.name: {
+            c: {
+                "open": float(np.mean(gates[a.name][masks[c]])),
+                "open_then_zero": float(np.mean(gates[a.name][masks[c]] & (a.chosen[masks[c]] == 0))),
+            }
+            for c in ("overall", *COMPRESSION_CODES)
+            if c in masks
+        }
+        for a in arms
+        if a.name in gates
+    }
     return result
 
 

@@ -112,6 +112,19 @@ def markdown(
         for comp, counts in per.items():
             lines.append(f"| {name} | {comp} | " + " | ".join(str(c) for c in counts[: result["max_gamma"] + 1]) + " |")
     lines.append("")
+    if result.get("gates"):
+        lines += [
+            "## Gated policies: the gate (held-out steps)",
+            "",
+            "Share of steps whose gate opened, and of steps whose gate opened, paid the probe and then chose 0:",
+            "",
+            "| policy | " + " | ".join(next(iter(result["gates"].values()))) + " |",
+            "|---|" + "---:|" * len(next(iter(result["gates"].values()))),
+        ]
+        for name, per in result["gates"].items():
+            cells = [f"{v['open']:.1%} open, {v['open_then_zero']:.1%} open then 0" for v in per.values()]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
