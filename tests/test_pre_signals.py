@@ -256,3 +256,23 @@ def test_a_gated_export_runs_in_the_hook_losslessly(gated_gbt, tmp_path):
         attach(target, str(path), compression="fp32", mode="gated", costs="live")
     with pytest.raises(ValueError, match="mode='gated' needs a gated policy"):
         attach(target, lambda x: 1, compression="fp32", mode="gated", feature_set="gated")
+
+
+def test_a_v1_log_dataset_still_reads(tmp_path):
+    """A dataset directory written before log schema v2 (parts without the signal columns) reads, signals NaN."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from speckv_policy.logs import DATASET_MARKER, write_log_parts
+
+    log, _ = generate_synthetic_log(n_prompts=4, steps_per_prompt=5, seed=2)
+    d = tmp_path / "ds"
+    write_log_parts(d, log)
+    for part in d.rglob("part-*.parquet"):
+        pq.write_table(pq.read_table(part).drop_columns(list(SIGNAL_COLUMNS)), part)
+    marker = json.loads((d / DATASET_MARKER).read_text())
+    (d / DATASET_MARKER).write_text(json.dumps({**marker, "log_schema_version": 1}))
+    back = read_log(d)
+    assert len(back) == len(log) and all(np.isnan(back[c]).all() for c in SIGNAL_COLUMNS)
+    features_from_log(back, "online")
