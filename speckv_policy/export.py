@@ -232,9 +232,9 @@ _REGISTERED = False
 
 
 def _builder(policy: Any) -> Callable[[_Graph, Any, str], str]:
-    if type(policy) is GatedPolicy:
-        parts = [_builder(getattr(policy, name)) for name in ("gate_", "head_") if hasattr(policy, name)]
-        return parts[-1] if parts else _mlp_tokens  # unfitted: check_is_fitted reports it
+    if type(policy) is GatedPolicy:  # fitted (callers check first): both heads must convert; the head's builds tokens
+        _builder(policy.gate_)
+        return _builder(policy.head_)
     builder = next((b for cls, b in _BUILDERS.items() if type(policy) is cls), None)
     if builder is None:
         raise ValueError(
@@ -255,8 +255,9 @@ def _skl2onnx_parser(scope: Any, model: Any, inputs: list, custom_parsers: Any =
     op.outputs.append(scope.declare_local_variable("values", FloatTensorType([None, G])))
     op.outputs.append(scope.declare_local_variable("expected_tokens", FloatTensorType([None, G])))
     if type(model) is GatedPolicy:
-        op.outputs.append(scope.declare_local_variable("gate", Int64TensorType([None])))
-        op.outputs.append(scope.declare_local_variable("gate_expected_tokens", FloatTensorType([None, G])))
+        gate, expected = GATE_OUTPUT_NAMES
+        op.outputs.append(scope.declare_local_variable(gate, Int64TensorType([None])))
+        op.outputs.append(scope.declare_local_variable(expected, FloatTensorType([None, G])))
     return op.outputs
 
 
@@ -312,8 +313,7 @@ def _gate(g: _Graph, policy: GatedPolicy, x: str, gate_out: str, expected_out: s
         g.const([policy.n_gate_features_], np.int64),
         g.const([1], np.int64),
     )
-    tokens = _builder(gate)(g, gate, xg)
-    g.op("Identity", tokens, out=expected_out)
+    g.op("Identity", _builder(gate)(g, gate, xg), out=expected_out)
     _gate_tail(g, expected_out, gate.feature_set_, gate.candidates_, gate.objective, gate.cost_model_, xg, gate_out)
 
 
@@ -321,7 +321,7 @@ def _gate_tail(
     g: _Graph, tokens: str, feature_set: str, candidates: np.ndarray, objective: str, cm: CostModel, x: str, out: str
 ) -> None:
     """``out`` = 1 where the best candidate under ``cm`` (no probe) drafts, else 0."""
-    names = (g._name("gate_gamma"), g._name("gate_values"), g._name("gate_tokens"))
+    names = (g._name("gate_gamma"), g._name("gate_values"), tokens)  # tokens already named: no copy
     _decision(g, tokens, feature_set, candidates, objective, replace(cm, decision_draft_tokens=0), x=x, outputs=names)
     g.op("Cast", g.op("Greater", names[0], g.const(0, np.int64)), to=TensorProto.INT64, out=out)
 
@@ -405,7 +405,8 @@ def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
         ("expected_tokens", FloatTensorType([None, G])),
     ]
     if type(policy) is GatedPolicy:
-        final += [("gate", Int64TensorType([None])), ("gate_expected_tokens", FloatTensorType([None, G]))]
+        gate, expected = GATE_OUTPUT_NAMES
+        final += [(gate, Int64TensorType([None])), (expected, FloatTensorType([None, G]))]
     model = to_onnx(
         policy,
         initial_types=[(INPUT_NAME, FloatTensorType([None, F]))],
@@ -480,8 +481,8 @@ def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelPro
     producer = {o: n for n in model.graph.node for o in n.output}
     keep: list[onnx.NodeProto] = []
     seen: set[int] = set()
-    gated = "gate" in outputs
-    stack = ["expected_tokens", "gate_expected_tokens"] if gated else ["expected_tokens"]
+    gated = GATE_OUTPUT_NAMES[0] in outputs
+    stack = ["expected_tokens", GATE_OUTPUT_NAMES[1]] if gated else ["expected_tokens"]
     while stack:
         node = producer.get(stack.pop())
         if node is None or id(node) in seen:
@@ -496,7 +497,9 @@ def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelPro
     fs = meta["speckv.feature_set"]
     if gated:  # the gate never pays the probe, the head always does
         head_cost = replace(cost_model, decision_draft_tokens=1)
-        _gate_tail(g, "gate_expected_tokens", fs, candidates, "tokens_per_second", cost_model, INPUT_NAME, "gate")
+        _gate_tail(
+            g, GATE_OUTPUT_NAMES[1], fs, candidates, "tokens_per_second", cost_model, INPUT_NAME, GATE_OUTPUT_NAMES[0]
+        )
     else:
         head_cost = cost_model
     _decision(g, "expected_tokens", fs, candidates, "tokens_per_second", head_cost)

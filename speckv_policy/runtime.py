@@ -224,10 +224,13 @@ class RuntimePolicy:
         self._scale = np.float32(per_second_scale(unit))
         self.repriced = True
 
-    def _priced(self, expected_tokens: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(gamma, values) under the re-priced step times, in float32 like the exported graph."""
+    def _priced(
+        self, expected_tokens: np.ndarray, x: np.ndarray, times: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(gamma, values) under the re-priced step times (``times``, default the head's), in float32 like the graph."""
+        table = self._times if times is None else times
         codes = np.clip(np.rint(x[:, self._code_index]), 0, N_COMPRESSION_CODES - 1).astype(np.int64)
-        values = (expected_tokens / self._times[codes]) * self._scale  # type: ignore[index]
+        values = (expected_tokens / table[codes]) * self._scale  # type: ignore[index]
         return self.candidates[np.argmax(values, axis=1)], values
 
     # -- loading ---------------------------------------------------------
@@ -355,6 +358,21 @@ class RuntimePolicy:
             raise ValueError(f"non-finite feature values (NaN or inf) in: {', '.join(bad)}")
         return X
 
+    def _one_row(self, features: Any, caller: str) -> np.ndarray:
+        """One step's features, checked and copied into the input buffer bound at load: ``(1, F)`` float32."""
+        if self._x is None:
+            raise PolicyLoadError(f"{self.path}: policy is not loaded ({self.load_error})")
+        if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:
+            if not np.isfinite(features).all():
+                raise ValueError("non-finite feature values (NaN or inf)")
+            self._x[0] = features
+        else:
+            x = self._matrix(features)
+            if x.shape[0] != 1:
+                raise ValueError(f"{caller}() takes one step's features, got {x.shape[0]} rows; use decide_batch")
+            self._x[...] = x
+        return self._x
+
     def decide(self, features: Any) -> int:
         """Gamma for one step.
 
@@ -369,22 +387,10 @@ class RuntimePolicy:
             A gamma from :attr:`candidates` (or the fallback gamma).
         """
         try:
-            if self._x is None:
-                raise PolicyLoadError(f"{self.path}: policy is not loaded ({self.load_error})")
-            if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:
-                if not np.isfinite(features).all():
-                    raise ValueError("non-finite feature values (NaN or inf)")
-                self._x[0] = features
-                x = self._x
-            else:
-                x = self._matrix(features)
-                if x.shape[0] != 1:
-                    raise ValueError(f"decide() takes one step's features, got {x.shape[0]} rows; use decide_batch")
+            x = self._one_row(features, "decide")
             if self._times is not None:
                 e = self._session.run(["expected_tokens"], {"features": x})[0]
                 return int(self._priced(e, x)[0][0])
-            if x is not self._x:
-                self._x[...] = x
             self._session.run_with_iobinding(self._io)
             g = int(self._gamma_out[0])
             if g not in self._candidate_set:
@@ -411,18 +417,11 @@ class RuntimePolicy:
             If this export is not gated (and no fallback is set).
         """
         try:
-            if self._x is None:
-                raise PolicyLoadError(f"{self.path}: policy is not loaded ({self.load_error})")
-            if not self.gated:
+            if self._x is not None and not self.gated:
                 raise PolicyLoadError(f"{self.path}: not a gated export (feature set {self.feature_set.name})")  # type: ignore[union-attr]
-            if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:
-                if not np.isfinite(features).all():
-                    raise ValueError("non-finite feature values (NaN or inf)")
-                self._x[0] = features
-            else:
-                self._x[...] = self._matrix(features)[:1]
+            x = self._one_row(features, "decide_gate")
             if self._gate_times is not None:
-                return bool(self._gate_batch(self._x)[0])
+                return bool(self._gate_batch(x)[0])
             self._session.run_with_iobinding(self._io_gate)
             return bool(self._gate_out[0])
         except Exception as exc:
@@ -435,8 +434,7 @@ class RuntimePolicy:
         if self._gate_times is None:
             return self._session.run(["gate"], {"features": x})[0].astype(bool)
         e = self._session.run(["gate_expected_tokens"], {"features": x})[0]
-        codes = np.clip(np.rint(x[:, self._code_index]), 0, N_COMPRESSION_CODES - 1).astype(np.int64)
-        return self.candidates[np.argmax(e / self._gate_times[codes], axis=1)] > 0
+        return self._priced(e, x, self._gate_times)[0] > 0
 
     def decide_gated_batch(self, features: Any) -> tuple[np.ndarray, np.ndarray]:
         """A gated export's decisions per row: ``(gamma, gate_open)``; gamma is 0 where the gate is closed."""

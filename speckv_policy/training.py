@@ -63,7 +63,7 @@ def batch_chooser(policy: GammaPolicy) -> Any:
     returns ``(gamma, gate_open)`` so that the probe is priced where the gate opens.
     """
     if isinstance(policy, GatedPolicy):
-        return lambda X: (policy.predict(X), policy.predict_gate(X))
+        return policy.predict_with_gate
     return policy.predict
 
 

@@ -110,6 +110,9 @@ def test_gated_policy_composes_its_gate_and_head(gated_gbt, gated_data):
     opened = p.predict_gate(Xh)
     np.testing.assert_array_equal(opened, p.gate_.predict(Xh.to_numpy()[:, : PRE.n_features]) > 0)
     np.testing.assert_array_equal(p.predict(Xh), np.where(opened, p.predict_length(Xh), 0))
+    gamma, gate = p.predict_with_gate(Xh)
+    np.testing.assert_array_equal(gamma, p.predict(Xh))
+    np.testing.assert_array_equal(gate, opened)
     assert 0.05 < opened.mean() < 1.0  # the synthetic process has steps on both sides of the gate
     # the gate reads only the pre columns: changing the probe token's columns never moves it
     X2 = Xh.copy()
@@ -126,7 +129,8 @@ def test_gated_policy_rejects_what_it_cannot_be():
         GatedPolicy(feature_set="online").fit(np.random.default_rng(0).random((50, 7)), y)
     with pytest.raises(ValueError, match="composes two learned policies"):
         make_policy("fixed", feature_set="gated")
-    clone(GatedPolicy(gate=MLPPolicy(max_iter=5)))  # scikit-learn's clone keeps the nested estimators
+    c = clone(GatedPolicy(gate=MLPPolicy(max_iter=5)))  # scikit-learn's clone keeps the nested estimators
+    assert isinstance(c.gate, MLPPolicy) and c.gate.max_iter == 5 and c.get_params()["gate__max_iter"] == 5
 
 
 @pytest.mark.parametrize("kind", ["gbt", "mlp", "table"])
@@ -145,6 +149,9 @@ def test_gated_export_matches_python_and_reprices_both_heads(kind, gated_data, s
     assert (gamma == policy.predict(rows)).mean() >= 0.999
     assert (rt.decide_batch(rows) == policy.predict_length(rows)).mean() >= 0.999
     assert rt.decide_gate(rows[0]) == bool(opened[0]) and rt.decide(rows[0]) == rt.decide_batch(rows[:1])[0]
+    assert rt.decide_gate(dict(zip(GATED.names, rows[1].tolist()))) == bool(opened[1])  # a name -> value row
+    with pytest.raises(ValueError, match=r"decide_gate\(\) takes one step's features, got 2 rows"):
+        rt.decide_gate(rows[:2])
     # re-priced: the file re-priced by speckv-export --reprice and the runtime re-pricing agree, both heads
     other = CostModel.relative(draft_cost=0.02)
     write_onnx(reprice_onnx(model, other), tmp_path / "re.onnx")

@@ -117,6 +117,13 @@ class GatedPolicy(GammaPolicy, BaseEstimator):
         out["gate_open"] = ~closed
         return out
 
+    def predict_with_gate(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(gamma, gate_open)`` per row, the gate evaluated once: :meth:`predict` and :meth:`predict_gate` together."""
+        check_is_fitted(self)
+        Xv = self._prepare_X(X, reset=False)
+        opened = self._gate_open(Xv)
+        return np.where(opened, self.head_.predict(Xv), 0).astype(np.int64), opened
+
     def predict_gate(self, X: Any) -> np.ndarray:
         """Whether the gate opens (drafts) for each row; it reads only the ``pre`` columns."""
         check_is_fitted(self)
