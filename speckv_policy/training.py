@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import joblib
+import numpy as np
 import pandas as pd
 from sklearn.base import clone
 
@@ -67,10 +68,38 @@ def batch_chooser(policy: GammaPolicy) -> Any:
     return policy.predict
 
 
-def fit_from_log(policy: GammaPolicy, log: pd.DataFrame, split: str | None = "train") -> GammaPolicy:
-    """Fit ``policy`` on the log's ``split`` steps with its feature set."""
+def fit_from_log(
+    policy: GammaPolicy, log: pd.DataFrame, split: str | None = "train", *, history_rounds: int = 0
+) -> GammaPolicy:
+    """Fit ``policy`` on the log's ``split`` steps with its feature set.
+
+    ``history_rounds > 0`` trains on the history the policy itself writes
+    (DAgger-style data aggregation): after the first fit, the split's runs are
+    replayed with the policy's own choices (:func:`speckv_policy.replay.replay_features`),
+    those rows, with the same outcomes, join the training set, and the policy
+    is fitted again; once per round. A profile drafts ``gamma_max`` on most
+    steps, so its logged history (previous gamma 8, rarely "fully accepted",
+    never frozen by a gamma-0 step) is not the history the policy meets when it runs.
+    """
+    if history_rounds < 0:
+        raise ValueError(f"history_rounds must be >= 0, got {history_rounds}")
     X, y = training_data(log, policy.feature_set, split=split)
-    return policy.fit(X, y)
+    policy.fit(X, y)
+    if history_rounds == 0:
+        return policy
+    from .replay import HISTORY_SETS, replay_features
+
+    if policy.feature_set not in HISTORY_SETS:
+        return policy  # no history features: a replay would give the same rows
+    runs = log if split is None else log[(log["split"] == split).to_numpy()]
+    labels = pd.DataFrame(y, index=X.index)
+    Xs, ys = [X], [y]
+    for _ in range(history_rounds):
+        Xr, _, _ = replay_features(runs, policy.feature_set, batch_chooser(policy))
+        Xs.append(Xr)
+        ys.append(labels.loc[Xr.index].to_numpy())
+        policy.fit(pd.concat(Xs, ignore_index=True), np.vstack(ys))
+    return policy
 
 
 def with_cost_model(policy: GammaPolicy, cost_model: CostModel) -> GammaPolicy:

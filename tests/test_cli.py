@@ -76,6 +76,19 @@ def test_export_saved_policy_and_options(log_path, tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_export_trained_on_its_own_history(log_path, tmp_path, capsys):
+    """--history-rounds: the training runs replayed with the policy's own choices join its training rows."""
+    plain, dagger = tmp_path / "plain.onnx", tmp_path / "dagger.onnx"
+    base = ["--train", str(log_path), "--policy", "table", "--feature-set", "pre"]
+    assert export_cli.main([str(plain), *base]) == 0
+    assert export_cli.main([str(dagger), *base, "--history-rounds", "1"]) == 0
+    capsys.readouterr()
+    X, _ = training_data(read_log(log_path), "pre", split="heldout")
+    assert (RuntimePolicy(plain).decide_batch(X) != RuntimePolicy(dagger).decide_batch(X)).any()
+    assert export_cli.main([str(tmp_path / "x.onnx"), "--policy", str(tmp_path / "p.joblib"), "--history-rounds", "1"])
+    assert "--history-rounds trains on a log" in capsys.readouterr().err
+
+
 def test_export_errors(log_path, tmp_path, capsys):
     out = tmp_path / "x.onnx"
     assert export_cli.main([str(out), "--policy", "gbt"]) == 2

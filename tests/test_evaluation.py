@@ -72,7 +72,7 @@ def test_censored_choice_is_credited_only_known_tokens():
 
 def _eval(rows, choose, **kw):
     es = EvalSet(rows, {"online": pd.DataFrame({"i": np.arange(len(rows))})}, max_gamma=8)
-    return evaluate(es, {"p": ("online", choose)}, policy_cost=COST, **kw)
+    return evaluate(es, {"p": ("online", choose)}, policy_cost=COST, history="logged", **kw)  # hand-made rows
 
 
 def test_policy_equal_to_fixed4_has_ratio_one_and_p_one():
@@ -240,7 +240,9 @@ def test_references_pay_only_what_they_run():
     probe = CostModel.relative(draft_cost=0.1, verify_cost_per_token=0.05, decision_draft_tokens=1)
     always0 = ("online", lambda X: np.zeros(len(X), dtype=np.int64))
     before_drafting = ("pre", lambda X: np.zeros(len(X), dtype=np.int64))
-    res = evaluate(es, {"always0": always0, "pre0": before_drafting}, policy_cost=probe, n_resamples=50)
+    res = evaluate(
+        es, {"always0": always0, "pre0": before_drafting}, policy_cost=probe, n_resamples=50, history="logged"
+    )
     arms = res["groups"]["overall"]["arms"]
     # a policy on the 'pre' features decides before drafting: gamma 0 is exactly the target alone, no probe
     assert arms["pre0"]["tokens_per_second"] == pytest.approx(1.0)

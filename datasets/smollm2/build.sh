@@ -28,12 +28,13 @@ $PY -m speckv_policy.cli.distill train --corpus "$B/corpus.pt,$B/corpus3.pt" --f
 #    validation answers (~20 s) -> datasets/smollm2/draft/draft.json.
 $PY -m speckv_policy.cli.distill copy --corpus "$B/corpus.pt" --draft datasets/smollm2/draft
 
-# 3. Profile the pair: greedy on every prompt, sampling (T = 0.7) on every third, at fp32 / INT8 / NF4 (~16 min).
+# 3. Profile the pair: greedy on every prompt, sampling (T = 0.7) on every third, at fp32 / INT8 / NF4, 48 new
+#    tokens each (the race's length: a shorter profile only knows the answers' first, easier positions) (~35 min).
 rm -f datasets/smollm2/steps.parquet  # a new draft needs a fresh profile (speckv-profile resumes an existing file)
 .venv/bin/speckv-profile --target smollm2 --draft datasets/smollm2/draft --prompts datasets/prompts/prompts.jsonl \
-    --out datasets/smollm2/steps.parquet --compressions fp32,int8,nf4 --decodings greedy --max-new-tokens 24 --tag smollm2
+    --out datasets/smollm2/steps.parquet --compressions fp32,int8,nf4 --decodings greedy --max-new-tokens 48 --tag smollm2
 .venv/bin/speckv-profile --target smollm2 --draft datasets/smollm2/draft --prompts datasets/prompts/prompts.jsonl \
-    --out datasets/smollm2/steps.parquet --compressions fp32,int8,nf4 --decodings sampling --max-new-tokens 24 \
+    --out datasets/smollm2/steps.parquet --compressions fp32,int8,nf4 --decodings sampling --max-new-tokens 48 \
     --stride 3 --tag smollm2
 
 # 4. Default policies, trained on the training prompts' steps only -> exported/smollm2-*.onnx

@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="draft tokens a policy pays before deciding (1: the hook's upfront mode, default)",
     )
+    ap.add_argument(
+        "--history",
+        choices=["policy", "logged"],
+        default="policy",
+        help="history features: each policy's own, replayed over the held-out runs (default), or the profile's "
+        "logged ones",
+    )
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument(
         "--trust-pickle",
@@ -92,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
             policies[name] = load_for_eval(path, trust_pickle=args.trust_pickle)
         cost = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
         result, es = evaluate_log(
-            log, policies, policy_cost=cost, max_gamma=args.max_gamma, n_resamples=args.bootstrap, seed=args.seed
+            log,
+            policies,
+            policy_cost=cost,
+            max_gamma=args.max_gamma,
+            n_resamples=args.bootstrap,
+            seed=args.seed,
+            history=args.history,
         )
     except (LogValidationError, FileNotFoundError, ValueError) as exc:
         print(f"speckv-eval: error: {exc}", file=sys.stderr)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ..policies import POLICIES
-from .common import exit_cleanly_on_sigterm, fail, warn_if_one_gamma
+from .common import exit_cleanly_on_sigterm, fail, int_at_least, warn_if_one_gamma
 
 DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 DEFAULT_KIND = "gbt"
@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft tokens paid before the decision: 1 for the hook's upfront mode (the default when training the "
         "default policy), else 0",
     )
+    p.add_argument(
+        "--history-rounds",
+        type=int_at_least(0),
+        default=0,
+        help="with --train: also train on the history the policy itself writes, replaying the training runs with "
+        "its own choices this many times (DAgger-style; default 0: the profile's logged history only)",
+    )
     p.add_argument("--device", help="device whose timings to fit when the log has several")
     p.add_argument("--save-policy", metavar="JOBLIB", help="also save the fitted Python policy")
     p.add_argument(
@@ -149,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             args.decision_draft_tokens = 1  # the hook's default upfront mode reads one draft token first
     if args.decision_draft_tokens is None:
         args.decision_draft_tokens = 0
+    if args.history_rounds and not args.train:
+        print("speckv-export: error: --history-rounds trains on a log: add --train LOG", file=sys.stderr)
+        return 2
     from ..export import export_onnx
     from ..logs import LogValidationError, read_log
     from ..objective import CostModel
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 feature_set=args.feature_set,
                 gamma=args.gamma,
             )
-            fit_from_log(policy, log, split="train")
+            fit_from_log(policy, log, split="train", history_rounds=args.history_rounds)
         else:
             if args.policy in POLICIES:
                 print(

@@ -26,9 +26,15 @@ import pandas as pd
 
 from ..features import features_from_log
 from ..objective import CostModel, per_second_scale, rate_label, tokens_credited
+from ..replay import replay_features
 from ..schema import COMPRESSION_CODES
 
 ChooseFn = Callable[[pd.DataFrame], np.ndarray]
+
+#: How a policy's history features are computed: ``policy`` replays the held-out runs with the policy's own choices
+#: (what it sees when it runs, :func:`speckv_policy.replay.replay_features`); ``logged`` takes them from the
+#: profile's own steps (which nearly always drafted ``gamma_max``).
+HISTORIES: tuple[str, ...] = ("policy", "logged")
 
 #: The reference arm that never drafts: every step a plain target step.
 TARGET_ALONE = "fixed-0"
@@ -54,11 +60,17 @@ class EvalSet:
         Feature matrices aligned with ``rows``, keyed by feature-set name.
     max_gamma : int
         Largest gamma whose outcome every row knows.
+    runs : pandas.DataFrame or None
+        Every step of the split's runs (the log rows an on-policy replay walks through), indexed like the log.
+    log_index : pandas.Index or None
+        The log index of each row of ``rows``.
     """
 
     rows: pd.DataFrame
     features: dict[str, pd.DataFrame] = field(default_factory=dict)
     max_gamma: int = 8
+    runs: pd.DataFrame | None = None
+    log_index: pd.Index | None = None
 
 
 def evaluation_set(
@@ -106,7 +118,39 @@ def evaluation_set(
         }
     )
     features = {k: v.loc[sub.index].reset_index(drop=True) for k, v in feats.items()}
-    return EvalSet(rows, features, max_gamma)
+    runs = log[(log["split"] == split).to_numpy()]
+    return EvalSet(rows, features, max_gamma, runs=runs, log_index=sub.index)
+
+
+def policy_choices(
+    eval_set: EvalSet, feature_set: str, choose: ChooseFn, history: str = "policy"
+) -> tuple[Any, pd.DataFrame]:
+    """A policy's output on ``eval_set``'s rows, and the feature rows it decided from.
+
+    ``history='logged'`` asks ``choose`` on the precomputed rows; ``'policy'``
+    replays the split's runs with the policy's own choices
+    (:func:`~speckv_policy.replay.replay_features`) and returns its choices on the
+    evaluated rows, in the same form ``choose`` returns them (``(gamma, gate_open)``
+    for a gated set).
+    """
+    if history not in HISTORIES:
+        raise ValueError(f"history must be one of {', '.join(HISTORIES)}, got {history!r}")
+    if history == "logged":
+        X = eval_set.features[feature_set]
+        return choose(X), X
+    if eval_set.runs is None or eval_set.log_index is None:
+        raise ValueError(
+            "an on-policy replay needs the log's runs (an EvalSet from evaluation_set); for hand-made rows "
+            "pass history='logged'"
+        )
+    X, chosen, opened = replay_features(eval_set.runs, feature_set, choose)
+    at = X.index.get_indexer(eval_set.log_index)
+    if (at < 0).any():  # pragma: no cover - evaluation_set takes its rows from the same features
+        raise ValueError("evaluated rows missing from the replay")
+    Xe = X.iloc[at].reset_index(drop=True)
+    if feature_set in GATED_SETS:
+        return (chosen[at], opened[at]), Xe
+    return chosen[at], Xe
 
 
 def step_outcomes(chosen: np.ndarray, rows: pd.DataFrame, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
@@ -277,6 +321,7 @@ def evaluate(
     reference_cost: CostModel | None = None,
     n_resamples: int = 10_000,
     seed: int = 0,
+    history: str = "policy",
 ) -> dict[str, Any]:
     """Evaluate ``policies`` (name -> (feature set, choose function)) on ``eval_set``.
 
@@ -285,7 +330,9 @@ def evaluate(
     it even when it then chooses 0), except policies on a feature set decided
     before drafting (:data:`DECIDED_BEFORE_DRAFTING`), which pay no probe;
     ``reference_cost`` prices the oracle and fixed gammas (default:
-    ``policy_cost`` with ``decision_draft_tokens=0``).
+    ``policy_cost`` with ``decision_draft_tokens=0``). ``history`` says where a
+    policy's history features come from (:data:`HISTORIES`, :func:`policy_choices`):
+    by default the policy's own choices, replayed over the held-out runs.
 
     Returns
     -------
@@ -296,8 +343,10 @@ def evaluate(
         of gamma 0..max; ``gates``: gated policy -> ``overall`` / compression ->
         fractions of steps whose gate opened (``open``) and that then chose 0
         after paying the probe (``open_then_zero``); plus ``rows``, ``prompts``,
-        ``max_gamma``.
+        ``max_gamma``, ``history``.
     """
+    if history not in HISTORIES:
+        raise ValueError(f"history must be one of {', '.join(HISTORIES)}, got {history!r}")
     rows = eval_set.rows
     ref_cost = reference_cost or replace(policy_cost, decision_draft_tokens=0)
     if ref_cost.unit != policy_cost.unit:
@@ -307,7 +356,7 @@ def evaluate(
     for name, (fs, choose) in policies.items():
         if fs not in eval_set.features:
             raise ValueError(f"policy {name!r} needs feature set {fs!r}, not computed for this evaluation")
-        out = choose(eval_set.features[fs])
+        out, _ = policy_choices(eval_set, fs, choose, history)
         opened = None
         if fs in GATED_SETS:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -336,6 +385,7 @@ def evaluate(
         "rows": len(rows),
         "prompts": int(rows["prompt_id"].nunique()),
         "max_gamma": eval_set.max_gamma,
+        "history": history,
         "unit": rate_label(unit),
         "groups": {k: summarize(arms, m, unit) for k, m in masks.items()},
         "bootstrap": {},
@@ -381,6 +431,7 @@ def evaluate_log(
     max_gamma: int = 8,
     n_resamples: int = 10_000,
     seed: int = 0,
+    history: str = "policy",
 ) -> tuple[dict[str, Any], EvalSet]:
     """:func:`evaluation_set` of the log's held-out steps, then :func:`evaluate` — the one offline evaluator.
 
@@ -389,7 +440,8 @@ def evaluate_log(
     same figures everywhere: policies pay ``policy_cost`` (the probe token of
     the upfront mode when ``decision_draft_tokens=1``); the oracle, the fixed
     gammas and the target alone (``fixed-0``) pay only what they would pay
-    when run (``decision_draft_tokens=0``).
+    when run (``decision_draft_tokens=0``); a policy's history features are
+    its own (``history='policy'``, replayed) unless ``history='logged'``.
 
     Returns
     -------
@@ -400,4 +452,5 @@ def evaluate_log(
     """
     needed = tuple(sorted({fs for fs, _ in policies.values()} | {"online"}))
     es = evaluation_set(log, needed, max_gamma=max_gamma)
-    return evaluate(es, policies, policy_cost=policy_cost, n_resamples=n_resamples, seed=seed), es
+    result = evaluate(es, policies, policy_cost=policy_cost, n_resamples=n_resamples, seed=seed, history=history)
+    return result, es

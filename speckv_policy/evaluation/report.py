@@ -20,6 +20,15 @@ def _policies(result: dict[str, Any]) -> list[str]:
     return list(result["gamma_histogram"])
 
 
+def _history_note(history: str) -> str:
+    if history == "policy":
+        return (
+            "History features (previous step's acceptance and gamma, acceptance EMAs) are each policy's own: the "
+            "held-out runs are replayed step by step with the policy's choices (`speckv_policy.replay`)."
+        )
+    return "History features are the profile's own steps' (`--history logged`), not what the policy would write."
+
+
 def markdown(
     result: dict[str, Any], *, title: str = "Offline evaluation", command: str | None = None, log: str | None = None
 ) -> str:
@@ -34,7 +43,8 @@ def markdown(
     lines += [
         f"{'Log `' + log + '`: ' if log else ''}{result['rows']} held-out steps from {result['prompts']} held-out "
         f"prompts (every outcome known up to gamma {result['max_gamma']}). Throughput in {unit} under the fitted cost "
-        f"model; CIs: paired bootstrap over prompts, {result['n_resamples']} resamples, 95%; p: two-sided, ratio = 1.",
+        f"model; CIs: paired bootstrap over prompts, {result['n_resamples']} resamples, 95%; p: two-sided, ratio = 1. "
+        + _history_note(result.get("history", "logged")),
         "",
         f"## Overall (best fixed gamma in hindsight: {best.split('-')[1]})",
         "",
