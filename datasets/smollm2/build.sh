@@ -41,11 +41,13 @@ rm -f datasets/smollm2/steps.parquet  # a new draft needs a fresh profile (speck
 .venv/bin/speckv-quickstart --log datasets/smollm2/steps.parquet --out exported
 #    ... the policies that decide before drafting ('pre' features, no probe) -> exported/smollm2-*-pre.onnx
 #    ... and the gated ones (a pre-draft gate + a length head after the probe) -> exported/smollm2-*-gated.onnx
+#    Both also train on the history they write themselves: 2 rounds of replaying the training runs with their own
+#    choices (--history-rounds, docs/evaluation.md), since the profile's history is that of gamma 8.
 for k in gbt mlp table; do
     .venv/bin/speckv-export "exported/smollm2-$k-pre.onnx" --train datasets/smollm2/steps.parquet --policy "$k" \
-        --feature-set pre --decision-draft-tokens 0
+        --feature-set pre --decision-draft-tokens 0 --history-rounds 2
     .venv/bin/speckv-export "exported/smollm2-$k-gated.onnx" --train datasets/smollm2/steps.parquet --policy "$k" \
-        --feature-set gated --decision-draft-tokens 1
+        --feature-set gated --decision-draft-tokens 1 --history-rounds 2
 done
 
 # 5. Offline evaluation on the held-out prompts (paired bootstrap, seconds) -> docs/eval/
