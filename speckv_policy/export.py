@@ -364,6 +364,10 @@ def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
         "speckv.package_version": __version__,
         "speckv.training_fingerprint": str(policy.training_fingerprint_),
         "speckv.training_rows": str(getattr(policy, "n_training_rows_", 0)),
+        # the logged rows it was trained from, and how many rounds of its own replayed history were added to them
+        # (fit_from_log(..., history_rounds=N)); without rounds, the same as the training fingerprint
+        "speckv.log_fingerprint": str(getattr(policy, "log_fingerprint_", policy.training_fingerprint_)),
+        "speckv.history_rounds": str(int(getattr(policy, "history_rounds_", 0))),
         "speckv.params": json.dumps({k: repr(v) for k, v in policy.get_params().items()}, sort_keys=True),
         **(
             {

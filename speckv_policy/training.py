@@ -80,11 +80,15 @@ def fit_from_log(
     is fitted again; once per round. A profile drafts ``gamma_max`` on most
     steps, so its logged history (previous gamma 8, rarely "fully accepted",
     never frozen by a gamma-0 step) is not the history the policy meets when it runs.
+    The policy then also carries ``log_fingerprint_`` (of the logged training
+    rows; ``training_fingerprint_`` is that of the aggregated rows) and
+    ``history_rounds_``, which its export records.
     """
     if history_rounds < 0:
         raise ValueError(f"history_rounds must be >= 0, got {history_rounds}")
     X, y = training_data(log, policy.feature_set, split=split)
     policy.fit(X, y)
+    log_fingerprint = policy.training_fingerprint_
     if history_rounds == 0:
         return policy
     from .replay import HISTORY_SETS, replay_features
@@ -99,6 +103,9 @@ def fit_from_log(
         Xs.append(Xr)
         ys.append(labels.loc[Xr.index].to_numpy())
         policy.fit(pd.concat(Xs, ignore_index=True), np.vstack(ys))
+    # what an export records besides the fingerprint of the rows it was fitted on: the logged rows they came from
+    policy.log_fingerprint_ = log_fingerprint
+    policy.history_rounds_ = history_rounds
     return policy
 
 

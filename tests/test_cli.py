@@ -209,7 +209,13 @@ def test_shipped_exports_match_the_shipped_log(prefix, log_path):
         policy = make_policy(kind, feature_set=mode if mode in ("pre", "gated") else None)
         assert rt.gated == (mode == "gated"), f
         X, y = training_data(log, policy.feature_set, split="train")
-        assert rt.metadata["speckv.training_fingerprint"] == data_fingerprint(X, y[:, 0], y[:, 1]), f
+        assert rt.metadata["speckv.log_fingerprint"] == data_fingerprint(X, y[:, 0], y[:, 1]), f
+        rounds = int(rt.metadata["speckv.history_rounds"])
+        assert rounds == (2 if mode in ("pre", "gated") else 0), f  # datasets/smollm2/build.sh
+        if rounds == 0:  # fitted on the logged rows alone
+            assert rt.metadata["speckv.training_fingerprint"] == rt.metadata["speckv.log_fingerprint"], f
+        else:  # fitted on them plus its replayed history: (1 + rounds) times as many rows
+            assert int(rt.metadata["speckv.training_rows"]) == (1 + rounds) * len(X), f
         Xh, _ = training_data(log, policy.feature_set, split="heldout")
         assert set(np.unique(rt.decide_batch(Xh))) <= set(rt.candidates.tolist())
 

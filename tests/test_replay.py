@@ -12,6 +12,7 @@ from speckv_policy.evaluation.synthetic import generate_synthetic_log
 from speckv_policy.features import OnlineFeatureState, features_from_log, gated_features
 from speckv_policy.logs import validate_log
 from speckv_policy.objective import CostModel
+from speckv_policy.policies import training_data
 from speckv_policy.replay import replay_features, replayed_outcome
 from speckv_policy.schema import ACCEPT_PRIOR, get_feature_set
 from speckv_policy.training import batch_chooser, fit_from_log, make_policy
@@ -174,6 +175,21 @@ def test_history_rounds_add_the_replayed_rows(mixed_log, monkeypatch):
     assert sizes == [n, 2 * n, 3 * n]
     replayed, _, _ = replay_features(mixed_log[mixed_log["split"] == "train"], "pre", batch_chooser(policy))
     assert len(replayed) == n
+    # the export records the logged rows it came from, and the rounds; a plain refit forgets both
+    from speckv_policy.export import policy_metadata
+    from speckv_policy.policies.base import data_fingerprint
+
+    X, y = training_data(mixed_log, "pre", split="train")
+    meta = policy_metadata(policy)
+    assert (
+        meta["speckv.log_fingerprint"] == data_fingerprint(X, y[:, 0], y[:, 1]) != meta["speckv.training_fingerprint"]
+    )
+    assert meta["speckv.history_rounds"] == "2" and meta["speckv.training_rows"] == str(3 * n)
+    fit(policy, X, y)
+    meta = policy_metadata(policy)
+    assert (
+        meta["speckv.log_fingerprint"] == meta["speckv.training_fingerprint"] and meta["speckv.history_rounds"] == "0"
+    )
     with pytest.raises(ValueError, match="history_rounds"):
         fit_from_log(policy, mixed_log, history_rounds=-1)
 

@@ -214,6 +214,8 @@ class GammaPolicy:
         )
         self.training_fingerprint_ = data_fingerprint(Xv, accepted, drafted)
         self.n_training_rows_ = int(Xv.shape[0])
+        for stale in ("log_fingerprint_", "history_rounds_"):  # set by training.fit_from_log after its last fit
+            self.__dict__.pop(stale, None)
         self._fit(Xv, accepted, drafted)
         return self
 
