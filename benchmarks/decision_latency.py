@@ -73,16 +73,19 @@ def _in_generation(exported: str, report) -> None:
         if mode in ("pre", "gated"):  # decided before drafting (gated: then the length head if the gate opens)
             if draft is None:
                 continue
-            before = []
+            before, signals = [], []
             for ids in inputs:
                 with attach(target, str(path), compression="fp32", mode=mode) as h:
                     target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
                 before += [s.decision_us for s in h.stats]
+                signals += [s.signals_us for s in h.stats]
             report(
                 path.stem,
                 f"inside generate (distilled draft, {mode} mode, us per step: pre-draft signals + decision(s))",
                 np.asarray(before),
             )
+            report(path.stem, "... of which the pre-draft signals", np.asarray(signals))
+            report(path.stem, "... of which the policy call(s)", np.asarray(before) - np.asarray(signals))
             continue
         times, upfront = [], []
         for ids in inputs:

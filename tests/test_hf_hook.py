@@ -306,6 +306,7 @@ def test_stats_records_and_reset(pair):
         assert [r["gamma"] for r in records[:3]] == [2, 0, 3]
         assert set(records[0]) >= {"step", "gamma", "accepted", "draft_ms", "verify_ms", "decision_us"}
         assert sum(r["accepted"] + 1 for r in records) == 12
+        assert all(r["signals_us"] == 0.0 for r in records)  # the upfront mode computes no pre-draft signals
         h.reset_stats()
         assert h.stats == [] and h.stats_records() == [] and h.summary()["steps"] == 0
         target.generate(ids, max_new_tokens=5, do_sample=False, assistant_model=draft)

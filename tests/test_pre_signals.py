@@ -236,6 +236,8 @@ def test_a_gated_export_runs_in_the_hook_losslessly(gated_gbt, tmp_path):
         out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
     assert h.summary()["fallbacks"] == 0 and h.stats
+    # the pre-draft signals' share of each step's decision time is reported on its own
+    assert all(0 < s.signals_us < s.decision_us for s in h.stats)
 
     class Recording:  # the same export, its gate and head calls recorded
         def __init__(self):

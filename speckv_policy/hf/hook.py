@@ -135,6 +135,8 @@ class StepStats:
     target_confidence: float = math.nan
     target_entropy: float = math.nan
     context_match_len: float = math.nan
+    #: the part of ``decision_us`` spent computing those signals (the rest is the policy's calls and their features)
+    signals_us: float = 0.0
 
 
 class _Decider:
@@ -300,7 +302,8 @@ class _Controller:
             self.current.context_match_len = float(context_match_len(input_ids))
             self.current.target_confidence = self.state.target_confidence
             self.current.target_entropy = self.state.target_entropy
-            self.current.decision_us += (time.perf_counter() - t) * 1e6 + self._signal_us
+            self.current.signals_us = (time.perf_counter() - t) * 1e6 + self._signal_us
+            self.current.decision_us += self.current.signals_us
             self._signal_us = 0.0
         return t0
 
