@@ -29,6 +29,8 @@ def test_token_stats_torch_equals_numpy_and_logits():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 50)) * 3
     logits[0, :10] = -np.inf  # top-k filtered tokens
+    logits[1, 1:] = -np.inf  # top-k = 1: certain, entropy 0
+    logits[2, :25] -= 1e5  # tokens far below the floor the torch path clamps differences at
     p = np.exp(logits - logits.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
     c_np, h_np = draft_token_stats(p)
@@ -38,6 +40,9 @@ def test_token_stats_torch_equals_numpy_and_logits():
     for c, h in ((c_t.numpy(), h_t.numpy()), (c_l.numpy(), h_l.numpy()), (c_ln, h_ln)):
         np.testing.assert_allclose(c, c_np, rtol=1e-5)
         np.testing.assert_allclose(h, h_np, rtol=1e-5, atol=1e-6)
+    assert c_l[1] == 1.0 and h_l[1] == 0.0
+    c_half, h_half = draft_token_stats_from_logits(torch.tensor(logits).half())  # fp16 logits are upcast first
+    assert np.isfinite(c_half.numpy()).all() and np.isfinite(h_half.numpy()).all()
 
 
 def test_online_state_hand_computed():
