@@ -295,6 +295,25 @@ def as_feature_matrix(features: Any, feature_set: FeatureSet | str) -> np.ndarra
     return arr
 
 
+def logged_step_features(state: OnlineFeatureState, step: Any, feature_set: str) -> np.ndarray:
+    """The ``online``, ``pre`` or ``gated`` row of one logged drafting step, from the run's ``state`` before it.
+
+    ``step`` is a log row (attribute access: ``context_len``, ``draft_confidence``,
+    ...). For ``pre`` and ``gated`` the step's logged target signals are first
+    replayed into the state (they were recorded as they stood before the step).
+    The caller then records the step's outcome with ``state.update``.
+    """
+    if feature_set == ONLINE.name:
+        return state.features(float(step.draft_confidence[0]), float(step.draft_entropy[0]), int(step.context_len))
+    if feature_set not in (PRE.name, GATED.name):
+        raise ValueError(f"feature set {feature_set!r} has no per-run state to replay")
+    state.observe_target(float(step.target_confidence), float(step.target_entropy))
+    pre = state.pre_features(int(step.context_len), int(step.context_match_len))
+    if feature_set == GATED.name:
+        pre = gated_features(pre, float(step.draft_confidence[0]), float(step.draft_entropy[0]))
+    return pre
+
+
 def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
     """Compute a feature matrix and censored labels from a validated step log.
 
@@ -341,17 +360,7 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
                 key = k
             assert state is not None
             if r.gamma > 0:
-                if fs is PRE or fs is GATED:
-                    # the signals are logged as they were before the step: replay them into the state
-                    state.observe_target(float(r.target_confidence), float(r.target_entropy))
-                    pre = state.pre_features(int(r.context_len), int(r.context_match_len))
-                    if fs is GATED:
-                        pre = gated_features(pre, float(r.draft_confidence[0]), float(r.draft_entropy[0]))
-                    rows.append(pre)
-                else:
-                    rows.append(
-                        state.features(float(r.draft_confidence[0]), float(r.draft_entropy[0]), int(r.context_len))
-                    )
+                rows.append(logged_step_features(state, r, fs.name))
                 index.append(idx)
             state.update(int(r.gamma), int(r.accepted))
     elif fs is PAPER:

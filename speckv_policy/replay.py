@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .features import OnlineFeatureState, features_from_log, gated_features
+from .features import OnlineFeatureState, features_from_log, logged_step_features
 from .schema import GATED, ONLINE, PRE, get_feature_set
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,17 +36,6 @@ ReplayChooser = Callable[[Any], Any]
 
 #: Feature sets whose rows carry history features (the ones a replay changes).
 HISTORY_SETS = (ONLINE.name, PRE.name, GATED.name)
-
-
-def _state_row(state: OnlineFeatureState, r: Any, fs_name: str) -> np.ndarray:
-    """One step's feature row from ``state`` (as :func:`~speckv_policy.features.features_from_log` builds it)."""
-    if fs_name == ONLINE.name:
-        return state.features(float(r.draft_confidence[0]), float(r.draft_entropy[0]), int(r.context_len))
-    state.observe_target(float(r.target_confidence), float(r.target_entropy))
-    pre = state.pre_features(int(r.context_len), int(r.context_match_len))
-    if fs_name == GATED.name:
-        pre = gated_features(pre, float(r.draft_confidence[0]), float(r.draft_entropy[0]))
-    return pre
 
 
 def replayed_outcome(chosen: int, drafted: int, accepted: int) -> tuple[int, int]:
@@ -139,7 +128,7 @@ def replay_features(
     pos = pd.Series(np.arange(len(logged)), index=logged.index)
     for k in range(max((len(r) for r in records), default=0)):
         live = [i for i, r in enumerate(records) if k < len(r)]
-        rows = np.vstack([_state_row(states[i], records[i][k][1], fs.name) for i in live])
+        rows = np.vstack([logged_step_features(states[i], records[i][k][1], fs.name) for i in live])
         out = choose(pd.DataFrame(rows, columns=list(fs.names)))
         g, op = _as_choices(out, len(live), gated)
         where = pos.loc[[records[i][k][0] for i in live]].to_numpy()
