@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feature-set", default="pre", choices=["pre", "gated", "online"])
     ap.add_argument("--policy", default="gbt", choices=["gbt", "mlp", "table"])
     ap.add_argument("--bootstrap", type=int, default=2000)
+    ap.add_argument(
+        "--together",
+        action="append",
+        default=[],
+        metavar="A,B",
+        help="also a variant without these columns at once (repeatable), e.g. target_confidence,target_entropy",
+    )
     args = ap.parse_args(argv)
 
     from speckv_policy.evaluation import evaluate_log
@@ -42,20 +49,27 @@ def main(argv: list[str] | None = None) -> int:
     probe = 0 if fs.name == "pre" else 1
     cm = CostModel.fit(log, decision_draft_tokens=probe)
     X, y = training_data(log, fs.name, split="train")
-    variants: dict[str, str | None] = {"all features": None, **{f"without {n}": n for n in fs.names}}
+    variants: dict[str, list[str]] = {"all features": [], **{f"without {n}": [n] for n in fs.names}}
+    for group in args.together:
+        cols = [c.strip() for c in group.split(",") if c.strip()]
+        unknown = [c for c in cols if c not in fs.names]
+        if unknown:
+            ap.error(f"--together: {', '.join(unknown)} not in the '{fs.name}' features ({', '.join(fs.names)})")
+        variants[f"without {' + '.join(cols)}"] = cols
     policies = {}
     for label, dropped in variants.items():
         Xt = X.copy()
-        value = float(X[dropped].mean()) if dropped is not None else 0.0
-        if dropped is not None:
-            Xt[dropped] = value
+        values = {c: float(X[c].mean()) for c in dropped}
+        for c, v in values.items():
+            Xt[c] = v
         policy = make_policy(args.policy, feature_set=fs.name, cost_model=cm).fit(Xt, y)
         choose = batch_chooser(policy)
 
-        def blanked(Xe, choose=choose, dropped=dropped, value=value):
-            if dropped is not None:
+        def blanked(Xe, choose=choose, values=values):
+            if values:
                 Xe = Xe.copy()
-                Xe[dropped] = value
+                for c, v in values.items():
+                    Xe[c] = v
             return choose(Xe)
 
         policies[label] = (fs.name, blanked)
