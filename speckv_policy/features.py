@@ -26,7 +26,7 @@ from .schema import (
     ONLINE,
     PAPER,
     PRE,
-    SIGNAL_COLUMNS,
+    PRE_SIGNAL_COLUMNS,
     FeatureSet,
     compression_code,
     get_feature_set,
@@ -220,8 +220,6 @@ class OnlineFeatureState:
                 full,
                 math.log1p(context_len),
                 self.temperature,
-                self.target_confidence,
-                self.target_entropy,
                 match_len,
             ],
             dtype=np.float32,
@@ -299,15 +297,13 @@ def logged_step_features(state: OnlineFeatureState, step: Any, feature_set: str)
     """The ``online``, ``pre`` or ``gated`` row of one logged drafting step, from the run's ``state`` before it.
 
     ``step`` is a log row (attribute access: ``context_len``, ``draft_confidence``,
-    ...). For ``pre`` and ``gated`` the step's logged target signals are first
-    replayed into the state (they were recorded as they stood before the step).
-    The caller then records the step's outcome with ``state.update``.
+    ``context_match_len``, ...). The caller then records the step's outcome
+    with ``state.update``.
     """
     if feature_set == ONLINE.name:
         return state.features(float(step.draft_confidence[0]), float(step.draft_entropy[0]), int(step.context_len))
     if feature_set not in (PRE.name, GATED.name):
         raise ValueError(f"feature set {feature_set!r} has no per-run state to replay")
-    state.observe_target(float(step.target_confidence), float(step.target_entropy))
     pre = state.pre_features(int(step.context_len), int(step.context_match_len))
     if feature_set == GATED.name:
         pre = gated_features(pre, float(step.draft_confidence[0]), float(step.draft_entropy[0]))
@@ -339,7 +335,7 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
 
     fs = get_feature_set(feature_set)
     if fs is PRE or fs is GATED:
-        for col in SIGNAL_COLUMNS:
+        for col in PRE_SIGNAL_COLUMNS:
             nan = np.isnan(log[col].to_numpy(np.float64)) & (log["gamma"].to_numpy() > 0)
             if nan.any():
                 raise ValueError(

@@ -119,9 +119,15 @@ CONTEXT_MATCH_CAP = 8
 #: lacks them (read as NaN, "not recorded"); only the ``pre`` and ``gated`` feature sets need them.
 SIGNAL_COLUMNS: tuple[str, ...] = ("target_confidence", "target_entropy", "context_match_len")
 
+#: Signal columns a ``pre`` / ``gated`` row reads (the target's confidence and entropy are logged, not used: v3).
+PRE_SIGNAL_COLUMNS: tuple[str, ...] = ("context_match_len",)
+
 PRE = FeatureSet(
     name="pre",
-    version=2,  # v2 added the target's confidence/entropy at the last verified position and the context match
+    # v2 added the target's confidence/entropy at the last verified position and the context match; v3 dropped the
+    # target's two (worth nothing measurable, together or alone, in benchmarks/ablation.py, and half of the per-step
+    # decision time inside generation: two passes over the vocabulary, cold after the verification pass)
+    version=3,
     names=(
         "compression_code",
         "prev_accept_rate",
@@ -131,8 +137,6 @@ PRE = FeatureSet(
         "prev_fully_accepted",
         "log_context_len",
         "temperature",
-        "target_confidence",
-        "target_entropy",
         "context_match_len",
     ),
     description={
@@ -144,9 +148,6 @@ PRE = FeatureSet(
         "prev_fully_accepted": "1 if the previous drafting step had every draft token accepted, else 0",
         "log_context_len": "natural log of (1 + tokens in the context)",
         "temperature": "sampling temperature; 0 for greedy decoding",
-        "target_confidence": "top-1 probability of the target's (processed) distribution at the last verified "
-        "position, from the verification pass that just ran; 0 before the first verification",
-        "target_entropy": "entropy in nats of that distribution; 0 before the first verification",
         "context_match_len": f"longest k <= {CONTEXT_MATCH_CAP} such that the context's last k tokens also occur "
         "earlier in the context (prompt-lookup match length; any draft)",
     },
@@ -154,7 +155,7 @@ PRE = FeatureSet(
 
 GATED = FeatureSet(
     name="gated",
-    version=1,
+    version=2,  # follows 'pre' v3
     names=(*PRE.names, "conf_first", "entropy_first"),
     description={
         **{k: f"as in 'pre': {v}" for k, v in PRE.description.items()},

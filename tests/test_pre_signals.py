@@ -18,7 +18,7 @@ from speckv_policy.logs import read_log, validate_log, write_log
 from speckv_policy.objective import CostModel
 from speckv_policy.policies import GatedPolicy, GBTPolicy, MLPPolicy, training_data
 from speckv_policy.runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
-from speckv_policy.schema import GATED, PRE, SIGNAL_COLUMNS, get_feature_set
+from speckv_policy.schema import GATED, PRE, PRE_SIGNAL_COLUMNS, SIGNAL_COLUMNS, get_feature_set
 from speckv_policy.training import batch_chooser, make_policy
 
 from .conftest import edge_rows
@@ -51,8 +51,16 @@ def test_context_match_len_examples():
 
 
 def test_feature_sets_are_versioned_and_gated_extends_pre():
-    assert PRE.version == 2 and PRE.names[-3:] == SIGNAL_COLUMNS
-    assert GATED.names[: PRE.n_features] == PRE.names and GATED.names[-2:] == ("conf_first", "entropy_first")
+    # v3: of the logged signals only the context match is a feature (the target's two are logged, not read)
+    assert PRE.version == 3 and PRE.names[-1:] == PRE_SIGNAL_COLUMNS == ("context_match_len",)
+    assert not {"target_confidence", "target_entropy"} & set(PRE.names) and set(PRE_SIGNAL_COLUMNS) < set(
+        SIGNAL_COLUMNS
+    )
+    assert (
+        GATED.version == 2
+        and GATED.names[: PRE.n_features] == PRE.names
+        and GATED.names[-2:] == ("conf_first", "entropy_first")
+    )
     assert get_feature_set("gated") is GATED
 
 
@@ -61,7 +69,7 @@ def test_a_v1_log_still_reads_and_pre_features_name_what_is_missing(synthetic, t
     log = validate_log(old, source="old.parquet")
     assert all(np.isnan(log[c]).all() for c in SIGNAL_COLUMNS)
     features_from_log(log, "online")  # what a v1 log has is all the other sets need
-    with pytest.raises(ValueError, match="needs column 'target_confidence'.*re-profile"):
+    with pytest.raises(ValueError, match="needs column 'context_match_len'.*re-profile"):
         features_from_log(log, "pre")
     with pytest.raises(ValueError, match="'gated' feature set needs column"):
         features_from_log(log, "gated")
@@ -238,6 +246,8 @@ def test_a_gated_export_runs_in_the_hook_losslessly(gated_gbt, tmp_path):
     assert h.summary()["fallbacks"] == 0 and h.stats
     # the pre-draft signals' share of each step's decision time is reported on its own
     assert all(0 < s.signals_us < s.decision_us for s in h.stats)
+    # a run that records nothing computes the context match only (the target's stats are a profile's, 'pre' v3)
+    assert all(np.isnan(s.target_confidence) and s.context_match_len >= 0 for s in h.stats)
 
     class Recording:  # the same export, its gate and head calls recorded
         def __init__(self):

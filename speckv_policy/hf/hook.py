@@ -278,6 +278,9 @@ class _Controller:
         self.draft_loop_used = ""
         # the pre-draft signals: computed when a pre decision needs them or a profile records them
         self.signals = record_tokens or mode in ("pre", "gated")
+        # the target's confidence and entropy at the last verified position: logged by a profile (log schema v2),
+        # read by no feature set since 'pre' v3, so a run that records nothing does not pay for them
+        self.target_signals = record_tokens
         self._pre_row: np.ndarray | None = None  # gated mode: the step's pre features, completed by the probe
         self._signal_us = 0.0  # time spent on them after the last verification, charged to the next decision
 
@@ -300,16 +303,17 @@ class _Controller:
             assert self.state is not None
             t = time.perf_counter()
             self.current.context_match_len = float(context_match_len(input_ids))
-            self.current.target_confidence = self.state.target_confidence
-            self.current.target_entropy = self.state.target_entropy
+            if self.target_signals:
+                self.current.target_confidence = self.state.target_confidence
+                self.current.target_entropy = self.state.target_entropy
             self.current.signals_us = (time.perf_counter() - t) * 1e6 + self._signal_us
             self.current.decision_us += self.current.signals_us
             self._signal_us = 0.0
         return t0
 
     def observe_verification(self, scores: torch.Tensor, num_matches: int) -> None:
-        """With signals on: the target's confidence and entropy at the last verified position, for the next step."""
-        if not self.signals or self.state is None:
+        """When recording: the target's confidence and entropy at the last verified position, for the next step."""
+        if not self.target_signals or self.state is None:
             return
         t = time.perf_counter()
         pos = min(int(num_matches), scores.shape[1] - 1)
