@@ -10,8 +10,8 @@ with the same :class:`~speckv_policy.features.OnlineFeatureState` the hook uses.
 
 What it replays and what it cannot: decisions happen at the logged steps'
 positions (a policy that drafts less would step through other positions; the
-per-position signals, context length, target confidence and context match, are
-the logged ones). A step's outcome under the policy's gamma ``g`` is known from
+per-position signals, context length and context match, are the logged
+ones). A step's outcome under the policy's gamma ``g`` is known from
 the log when ``g`` does not exceed what the step drafted, or when the step's
 draft was rejected within it; a step that drafted ``d < g`` tokens and accepted
 them all is replayed as drafting ``d`` and accepting ``d`` (its outcome beyond

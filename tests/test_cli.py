@@ -85,7 +85,8 @@ def test_export_trained_on_its_own_history(log_path, tmp_path, capsys):
     capsys.readouterr()
     X, _ = training_data(read_log(log_path), "pre", split="heldout")
     assert (RuntimePolicy(plain).decide_batch(X) != RuntimePolicy(dagger).decide_batch(X)).any()
-    assert export_cli.main([str(tmp_path / "x.onnx"), "--policy", str(tmp_path / "p.joblib"), "--history-rounds", "1"])
+    bad = [str(tmp_path / "x.onnx"), "--policy", str(tmp_path / "p.joblib"), "--history-rounds", "1"]
+    assert export_cli.main(bad) == 2 and not (tmp_path / "x.onnx").exists()
     assert "--history-rounds trains on a log" in capsys.readouterr().err
 
 
