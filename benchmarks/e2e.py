@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy-dir", default="exported")
     ap.add_argument("--policy-prefix", default="smollm2-")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--draft-precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="dtype the draft runs in (default auto: bf16 on a CPU with native bf16, fp32 on other CPUs, fp16 on CUDA)",
+    )
     ap.add_argument("--out", default="docs/e2e.json", help="raw runs and summary (JSON)")
     ap.add_argument("--plot", default="docs/e2e_speedup.png")
     ap.add_argument("--doc", default="docs/benchmarks.md", help="markdown file whose e2e section is rewritten")
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=args.calibrate,
                 device=args.device,
                 seed=args.seed,
+                draft_precision=args.draft_precision,
             )
             train = [p for p in read_prompts(args.prompts) if p.split == "train"] or held
             cost, steps = calibrate(cal, train, models=SMOLLM2_MODELS)
@@ -135,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=args.repeats,
             device=args.device,
             seed=args.seed,
+            draft_precision=args.draft_precision,
         )
         result = run_race(cfg, arms, picked, models=SMOLLM2_MODELS)
         result["config"]["per_task"] = args.per_task

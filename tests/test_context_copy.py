@@ -102,6 +102,25 @@ def test_copy_argmax_is_the_argmax_of_the_mixture():
     assert (picked == cand).any() and (picked != cand).any()  # both branches ran
 
 
+def test_mixture_reduced_over_a_pruned_heads_support_equals_the_full_one():
+    gen = torch.Generator().manual_seed(1)
+    vocab, head_ids = 30, torch.tensor([0, 3, 7, 8, 21, 29])
+    full = torch.full((2, 40, vocab), -torch.inf)
+    full[..., head_ids] = torch.randn(2, 40, len(head_ids), generator=gen) * 3
+    cand = torch.randint(-1, vocab, (2, 40), generator=gen)  # in the head, outside it, or none
+    length = torch.where(cand >= 0, torch.randint(0, 4, (2, 40), generator=gen), 0)
+    a, b = torch.tensor([-0.5, 0.5, 1.0]), torch.tensor([-0.3, -0.4, -0.2])
+    expected = mix_log_probs(full, cand, length, a, b)
+    got = mix_log_probs(full.clone(), cand, length, a, b, inplace=True, support=head_ids)
+    torch.testing.assert_close(got, expected)
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[head_ids] = False
+    outside = outside.expand_as(got).clone()
+    outside[(*((length > 0) & (cand >= 0)).nonzero(as_tuple=True), cand[(length > 0) & (cand >= 0)])] = False
+    assert torch.isneginf(got[outside]).all()  # q' = 0 off the head except at a copy candidate
+    torch.testing.assert_close(torch.logsumexp(got, -1), torch.zeros(2, 40))
+
+
 def _copy_draft(draft, a, b, max_match):
     model = ContextCopyDraft(draft.config)
     model.load_state_dict(draft.state_dict())

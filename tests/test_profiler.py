@@ -11,6 +11,7 @@ import torch
 from speckv_policy.cli import profile as profile_cli
 from speckv_policy.features import features_from_log
 from speckv_policy.hf import attach, profiler
+from speckv_policy.hf.models import draft_precision
 from speckv_policy.hf.profiler import ProfileConfig
 from speckv_policy.logs import read_log, validate_log
 from speckv_policy.objective import CostModel
@@ -288,6 +289,10 @@ def test_resume_with_other_settings_is_refused(setup, full_run, capsys):
         profiler.profile(_cfg(d, target, draft, out, gamma_max=4), prompts, progress=False)
     with pytest.raises(ValueError, match="temperature: 0.7 in the log, 0.9 now"):
         profiler.profile(_cfg(d, target, draft, out, temperature=0.9), prompts, progress=False)
+    ran = draft_precision("cpu")  # what "auto" resolved to and the log recorded
+    other = "fp32" if ran == "bf16" else "bf16"
+    with pytest.raises(ValueError, match=f"draft_precision: '{ran}' in the log, '{other}' now"):
+        profiler.profile(_cfg(d, target, draft, out, draft_precision=other), prompts, progress=False)
     assert out.read_bytes() == before
     # the same settings resume (nothing left to do), another level extends the log
     assert profiler.profile(_cfg(d, target, draft, out), prompts, progress=False)["done"] == 0
@@ -320,3 +325,15 @@ def test_resume_with_other_settings_is_refused(setup, full_run, capsys):
     aside = [f for f in d.iterdir() if f.name.startswith("forced.old-")]
     assert len(aside) == 1 and aside[0].read_bytes() == before
     assert set(read_log(copy)["compression"]) == {"fp32"} and read_log(copy)["prompt_id"].nunique() == 1
+
+
+def test_draft_precision_auto_resolves_by_device_and_cpu(monkeypatch):
+    from speckv_policy.hf import models
+
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert draft_precision("cpu") == "bf16" and draft_precision("cuda:0") == "fp16"
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    assert draft_precision("cpu") == "fp32"
+    assert draft_precision("cpu", "fp16") == "fp16" and draft_precision("cuda", "fp32") == "fp32"  # explicit wins
+    with pytest.raises(ValueError, match="draft precision 'int8': expected one of auto, fp32, bf16, fp16"):
+        draft_precision("cpu", "int8")

@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gamma-max", type=int_at_least(1), default=8)
     p.add_argument("--max-new-tokens", type=int_at_least(4), default=48)
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--draft-precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="dtype the draft runs in (default auto: bf16 on a CPU with native bf16, fp32 on other CPUs, fp16 on CUDA)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     exit_cleanly_on_sigterm()
@@ -69,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             device=args.device,
             seed=args.seed,
+            draft_precision=args.draft_precision,
         )
         cost, steps = calibrate(cfg, prompts, models=SMOLLM2_MODELS, progress=progress)
         print(file=sys.stderr)

@@ -25,7 +25,7 @@ import torch
 from ..objective import CostModel
 from ..prompts import Prompt, encode_prompt
 from .hook import attach
-from .models import LOCAL_MODELS, ModelSource
+from .models import LOCAL_MODELS, ModelSource, draft_precision
 
 #: Steps timed per gamma and level before a calibration stops (it runs past its budget, up to 4x, to get them).
 MIN_PER_GAMMA = 3
@@ -43,6 +43,7 @@ class CalibrationConfig:
     max_new_tokens: int = 48
     device: str = "cpu"
     seed: int = 0
+    draft_precision: str = "auto"
 
 
 def _gamma_cycle(gamma_max: int, rng: np.random.Generator) -> Callable[[int], int]:
@@ -104,7 +105,7 @@ def calibrate(
     rng = np.random.default_rng(cfg.seed)
     tok = models.load_tokenizer(cfg.target)
     pad = getattr(tok, "eos_token_id", None)
-    draft = models.load_model(cfg.draft, "fp32" if cfg.device == "cpu" else "fp16", cfg.device)
+    draft = models.load_model(cfg.draft, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
     draft.generation_config.pad_token_id = None
     encoded = [torch.tensor([encode_prompt(p, tok)], device=cfg.device) for p in prompts]
     budget = cfg.seconds / len(cfg.compressions)

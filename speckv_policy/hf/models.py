@@ -18,7 +18,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPRESSIONS_LOADABLE", "ModelSource", "LOCAL_MODELS", "load_model", "load_tokenizer", "model_id"]
+__all__ = [
+    "COMPRESSIONS_LOADABLE",
+    "DRAFT_PRECISIONS",
+    "ModelSource",
+    "LOCAL_MODELS",
+    "draft_precision",
+    "load_model",
+    "load_tokenizer",
+    "model_id",
+]
 
 #: Compression names :func:`load_model` understands.
 COMPRESSIONS_LOADABLE = ("fp32", "bf16", "fp16", "int8", "nf4")
@@ -36,6 +45,43 @@ def full_precision_dtype(compression: str) -> torch.dtype:
     if compression not in _DTYPES:
         raise ValueError(f"{compression!r} is not a full-precision dtype; expected fp32, bf16 or fp16")
     return _DTYPES[compression]
+
+
+#: What ``--draft-precision`` accepts: a full-precision dtype, or ``auto`` (:func:`draft_precision`).
+DRAFT_PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX), as torch reports it."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                return True
+        except Exception:  # a torch without the probe or a CPU it cannot query
+            continue
+    return False
+
+
+def draft_precision(device: str, requested: str = "auto") -> str:
+    """The dtype name the draft runs in: ``requested``, or for ``auto`` the cheapest safe one.
+
+    ``auto`` is fp16 on CUDA; on CPU it is bf16 where the CPU multiplies bf16
+    natively (half the bytes per draft token: a small draft's token is bound by
+    reading its weights) and fp32 elsewhere (bf16 is emulated there, and slower).
+
+    Raises
+    ------
+    ValueError
+        For a name outside :data:`DRAFT_PRECISIONS`.
+    """
+    if requested not in DRAFT_PRECISIONS:
+        raise ValueError(f"draft precision {requested!r}: expected one of {', '.join(DRAFT_PRECISIONS)}")
+    if requested != "auto":
+        return requested
+    if not str(device).startswith("cpu"):
+        return "fp16"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def _check_folder(path: str | os.PathLike[str]) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..logs import logged_units, read_log_metadata
 from ..prompts import Prompt, encode_prompt
-from .models import LOCAL_MODELS, ModelSource
+from .models import LOCAL_MODELS, ModelSource, draft_precision
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class ProfileConfig:
     device: str = "cpu"
     seed: int = 0
     tag: str = "profile"
+    draft_precision: str = "auto"
 
 
 def profile_settings(cfg: ProfileConfig) -> str:
@@ -52,6 +53,7 @@ def profile_settings(cfg: ProfileConfig) -> str:
     d = asdict(cfg)
     for k in ("out", "tag", "compressions", "decodings", "fixed_gammas"):
         d.pop(k)
+    d["draft_precision"] = draft_precision(cfg.device, cfg.draft_precision)  # what ran, not "auto"
     return json.dumps(d, sort_keys=True)
 
 
@@ -125,7 +127,7 @@ class UnitProfiler:
         self.cfg = cfg
         self.models = models
         self.tokenizer = models.load_tokenizer(cfg.target)
-        self.draft = models.load_model(cfg.draft, "fp32" if cfg.device == "cpu" else "fp16", cfg.device)
+        self.draft = models.load_model(cfg.draft, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
         self.draft.generation_config.pad_token_id = None
         self.ids = (models.model_id(cfg.target), models.model_id(cfg.draft))
         self._loaded: tuple[str, Any] | None = None

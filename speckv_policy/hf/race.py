@@ -23,7 +23,7 @@ from ..evaluation.race import HF_FIELDS, NEAR_TIE, ArmSpec, goals, summarize_run
 from ..prompts import Prompt, encode_prompt
 from .hook import attach
 from .live_costs import LiveCosts
-from .models import LOCAL_MODELS, ModelSource
+from .models import LOCAL_MODELS, ModelSource, draft_precision
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class RaceConfig:
     repeats: int = 1
     device: str = "cpu"
     seed: int = 0
+    draft_precision: str = "auto"
 
 
 def run_once(
@@ -183,7 +184,7 @@ def run_race(
     torch.set_num_threads(os.cpu_count() or 1)
     tok = models.load_tokenizer(cfg.target)
     pad = getattr(tok, "eos_token_id", None)
-    draft = models.load_model(cfg.draft, "fp32" if cfg.device == "cpu" else "fp16", cfg.device)
+    draft = models.load_model(cfg.draft, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
     draft.generation_config.pad_token_id = None
     on_cuda = cfg.device.startswith("cuda")
 
@@ -247,6 +248,7 @@ def run_race(
         "config": {
             "target": models.model_id(cfg.target),
             "draft": models.model_id(cfg.draft),
+            "draft_precision": draft_precision(cfg.device, cfg.draft_precision),
             "prompts": len(prompts),
             "max_new_tokens": cfg.max_new_tokens,
             "repeats": cfg.repeats,
