@@ -55,7 +55,9 @@ def _in_generation(exported: str, report) -> None:
         return
     target = load_model("smollm2", "fp32")
     draft_dir = Path("datasets/smollm2/draft")
-    draft = load_model(str(draft_dir), "fp32") if draft_dir.is_dir() else None
+    from speckv_policy.hf.models import draft_precision
+
+    draft = load_model(str(draft_dir), draft_precision("cpu")) if draft_dir.is_dir() else None  # as the race runs it
     prompts = [
         "Write a Python function that checks whether a string is a palindrome.",
         "Explain in two sentences why the sky is blue.",

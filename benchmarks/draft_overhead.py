@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="datasets/smollm2/draft")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--draft-precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     from speckv_policy.hf import attach
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = load_tokenizer("smollm2")
     target = load_model("smollm2", args.compression)
-    draft = load_model(args.draft, "fp32")
+    from speckv_policy.hf.models import draft_precision
+
+    draft = load_model(args.draft, draft_precision("cpu", args.draft_precision))
     inputs = []
     for text in PROMPTS:
         ids = tok.apply_chat_template(

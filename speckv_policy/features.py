@@ -123,6 +123,73 @@ def context_match_len(ids: Any, cap: int = CONTEXT_MATCH_CAP) -> int:
     return k
 
 
+class ContextMatcher:
+    """:func:`context_match_len` of one growing sequence, kept incrementally in pure Python.
+
+    The hook asks for the match length once per step, right after the target's
+    forward pass, when numpy's code and data are cold (~90 us per call there
+    against ~3 us back to back). This keeps the sequence as a list and, per
+    token, where it occurred; a step then reads only the new tokens and checks
+    the earlier occurrences of the last one. The value is the same as
+    :func:`context_match_len` (tested on random sequences).
+
+    Parameters
+    ----------
+    cap : int
+        Longest match looked for.
+    """
+
+    def __init__(self, cap: int = CONTEXT_MATCH_CAP) -> None:
+        self.cap = int(cap)
+        self.seq: list[int] = []
+        self.where: dict[int, list[int]] = {}
+
+    def extend(self, tokens: Any) -> None:
+        """Append token ids (a list of int) to the sequence."""
+        seq, where = self.seq, self.where
+        for t in tokens:
+            where.setdefault(t, []).append(len(seq))
+            seq.append(t)
+
+    def reset(self) -> None:
+        """Forget the sequence (a new generation)."""
+        self.seq, self.where = [], {}
+
+    def sync(self, ids: Any) -> None:
+        """Make the kept sequence equal ``ids`` (a 1 x n tensor or array), reading only what is new.
+
+        ``ids`` must extend the sequence kept since the last :meth:`reset` (a
+        generation's context only grows); only its new tokens are read. One that
+        is shorter, or whose token at the kept end differs, is read whole.
+        """
+        row = ids[0] if getattr(ids, "ndim", 1) == 2 else ids
+        n, have = int(row.shape[0]), len(self.seq)
+        if 0 < have <= n:
+            new = row[have - 1 :].tolist()  # one overlapping token: is the kept sequence still a prefix?
+            if new[0] == self.seq[-1]:
+                self.extend(new[1:])
+                return
+        self.reset()
+        self.extend(row.tolist())
+
+    def match_len(self) -> int:
+        """Longest ``k <= cap`` such that the sequence's last ``k`` tokens also occur earlier (0 if none)."""
+        seq, cap = self.seq, self.cap
+        n = len(seq)
+        if n < 2 or cap < 1:
+            return 0
+        best = 0
+        for j in self.where[seq[-1]][:-1]:  # earlier occurrences of the last token (ends of a match)
+            m = 1
+            while m < cap and m <= j and seq[j - m] == seq[n - 1 - m]:
+                m += 1
+            if m > best:
+                best = m
+                if best == cap:
+                    break
+        return best
+
+
 class OnlineFeatureState:
     """Per-sequence state behind the ``online`` feature set.
 

@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 import pandas as pd
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.base import clone
@@ -13,7 +14,7 @@ from sklearn.base import clone
 from speckv_policy.evaluation import evaluate_log
 from speckv_policy.evaluation.synthetic import generate_synthetic_log
 from speckv_policy.export import export_onnx, reprice_onnx, write_onnx
-from speckv_policy.features import context_match_len, features_from_log
+from speckv_policy.features import ContextMatcher, context_match_len, features_from_log
 from speckv_policy.logs import read_log, validate_log, write_log
 from speckv_policy.objective import CostModel
 from speckv_policy.policies import GatedPolicy, GBTPolicy, MLPPolicy, training_data
@@ -41,6 +42,32 @@ def _brute_match(ids, cap=8):
 def test_context_match_len_is_the_longest_repeated_suffix(ids, cap):
     assert context_match_len(ids, cap) == _brute_match(ids, cap)
     assert context_match_len(np.asarray([ids], dtype=np.int64), cap) == _brute_match(ids, cap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+    cuts=st.lists(st.integers(1, 60), min_size=1, max_size=8),
+    other=st.lists(st.integers(0, 4), min_size=1, max_size=20),
+    cap=st.integers(1, 10),
+)
+def test_the_incremental_matcher_equals_context_match_len(ids, cuts, other, cap):
+    matcher = ContextMatcher(cap)
+    for end in sorted(min(c, len(ids)) for c in cuts) + [len(ids)]:  # a sequence growing by steps, as in generation
+        prefix = torch.tensor([ids[:end]])
+        matcher.sync(prefix)
+        assert matcher.seq == ids[:end]
+        assert matcher.match_len() == context_match_len(ids[:end], cap) == _brute_match(ids[:end], cap)
+    matcher.sync(torch.tensor([ids + other]))  # grown by a whole chunk at once
+    assert matcher.seq == ids + other and matcher.match_len() == _brute_match(ids + other, cap)
+    matcher.reset()  # a new generation
+    matcher.sync(torch.tensor([other]))
+    assert matcher.seq == other and matcher.match_len() == _brute_match(other, cap)
+    bad = other[:-1] + [9, 9]  # longer, but not an extension: its token at the kept end differs
+    matcher.sync(torch.tensor([bad]))
+    assert matcher.seq == bad and matcher.match_len() == _brute_match(bad, cap)
+    matcher.sync(np.asarray(ids[:1]))  # shorter than the kept one, 1-D
+    assert matcher.seq == ids[:1] and matcher.match_len() == 0
 
 
 def test_context_match_len_examples():

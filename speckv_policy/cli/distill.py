@@ -157,6 +157,7 @@ def _main(argv: list[str] | None = None) -> int:
     k.add_argument("--draft", required=True)
     k.add_argument("--tokens", type=int, default=32)
     k.add_argument("--no-copy", action="store_true", help="time the draft without its context-copy gate")
+    k.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="the draft's dtype")
     cp = sub.add_parser("copy", help="fit the draft's context-copy gate on its validation answers (updates draft.json)")
     cp.add_argument("--corpus", required=True, help="corpus file(s) with the validation and held-out answers")
     cp.add_argument("--draft", required=True)
@@ -228,11 +229,12 @@ def _main(argv: list[str] | None = None) -> int:
             )
         )
     elif args.cmd == "cost":
+        from ..hf.models import full_precision_dtype
         from ..smollm2.models import load_model
 
         ids = torch.randint(100, 5000, (1, 80), generator=torch.Generator().manual_seed(0))
         result = {}
-        draft = load_draft(args.draft)
+        draft = load_draft(args.draft, dtype=full_precision_dtype(args.precision))
         if args.no_copy:
             draft.clear_copy_gate()
         for name, model in (("draft", draft), ("target", load_model("smollm2", "fp32"))):

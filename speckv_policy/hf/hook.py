@@ -64,8 +64,8 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from ..features import (
+    ContextMatcher,
     OnlineFeatureState,
-    context_match_len,
     draft_token_stats_from_logits,
     gated_features,
     paper_features,
@@ -283,11 +283,13 @@ class _Controller:
         self.target_signals = record_tokens
         self._pre_row: np.ndarray | None = None  # gated mode: the step's pre features, completed by the probe
         self._signal_us = 0.0  # time spent on them after the last verification, charged to the next decision
+        self._matcher = ContextMatcher()  # context_match_len, kept incrementally over a generation
 
     # -- sequence / step bookkeeping --------------------------------------
     def begin(self, generation_config: Any, device: torch.device) -> None:
         temp = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
         self.state = OnlineFeatureState(self.compression, temp)
+        self._matcher.reset()
         self.generations += 1
         self.step = 0
         self._device = device
@@ -302,7 +304,8 @@ class _Controller:
         if self.signals:
             assert self.state is not None
             t = time.perf_counter()
-            self.current.context_match_len = float(context_match_len(input_ids))
+            self._matcher.sync(input_ids)
+            self.current.context_match_len = float(self._matcher.match_len())
             if self.target_signals:
                 self.current.target_confidence = self.state.target_confidence
                 self.current.target_entropy = self.state.target_entropy
