@@ -29,7 +29,7 @@ $PY -m speckv_policy.cli.distill train --corpus "$B/corpus.pt,$B/corpus3.pt" --f
 $PY -m speckv_policy.cli.distill copy --corpus "$B/corpus.pt" --draft datasets/smollm2/draft
 
 # 3. Profile the pair: greedy on every prompt, sampling (T = 0.7) on every third, at fp32 / INT8 / NF4, 48 new
-#    tokens each (the race's length: a shorter profile only knows the answers' first, easier positions) (~35 min).
+#    tokens each (the race's length: a shorter profile only knows the answers' first, easier positions) (~33 min).
 #    The draft runs in bf16 (half the bytes per draft token: 2.1 vs 3.6 ms per token on the 2-core AMD EPYC with
 #    AVX-512 BF16 it was built on; pinned, so another machine reproduces the same draft numerics).
 rm -f datasets/smollm2/steps.parquet  # a new draft needs a fresh profile (speckv-profile resumes an existing file)
