@@ -23,6 +23,7 @@ __all__ = [
     "DRAFT_PRECISIONS",
     "ModelSource",
     "LOCAL_MODELS",
+    "cpu_has_native_bf16",
     "draft_precision",
     "load_model",
     "load_tokenizer",
