@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from speckv_policy.hf import attach, hook
-from speckv_policy.hf.lean_draft import LeanDraft
+from speckv_policy.hf.lean_draft import LeanDraft, sample_tokens
 from speckv_policy.testing import tiny_llama_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
@@ -195,3 +195,31 @@ def test_lean_loop_works_for_a_draft_without_logits_to_keep(pair):
         del draft.forward
     want = draft.generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(out, want)
+
+
+def test_sample_tokens_draws_each_row_from_its_distribution_and_never_a_zero():
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]])
+    torch.manual_seed(0)
+    n = 20000
+    draws = torch.cat([sample_tokens(probs) for _ in range(n)], dim=1)  # [2, n]
+    for row in range(2):
+        freq = torch.bincount(draws[row], minlength=6).double() / n
+        assert (freq[probs[row] == 0] == 0).all()  # a zero-probability token is never drawn
+        # chi-square, 5 / 1 degrees of freedom at most: far below the 0.1% critical values (20.5 / 10.8)
+        support = probs[row] > 0
+        chi2 = float((n * (freq[support] - probs[row][support]) ** 2 / probs[row][support]).sum())
+        assert chi2 < 10.8
+    big = torch.softmax(torch.randn(1, 49152, generator=gen) * 3, -1)
+    big[0, :100] = 0.0  # zeros at the start: u = 0 must not pick them
+    assert all(int(sample_tokens(big)) >= 100 for _ in range(200))
+
+
+def test_sample_tokens_falls_back_when_rounding_lands_on_a_zero(monkeypatch):
+    probs = torch.tensor([[0.25, 0.75, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(*a[0], dtype=torch.float64))  # u = the total
+    torch.manual_seed(1)
+    assert all(int(sample_tokens(probs)) in (0, 1) for _ in range(50))  # clamped onto index 2 (p = 0): multinomial
+    for bad in ([[float("nan"), 1.0]], [[0.0, 0.0]], [[-0.5, 1.5]], [[float("inf"), 1.0]]):
+        with pytest.raises(RuntimeError, match="probability tensor|invalid multinomial"):  # multinomial's own errors
+            sample_tokens(torch.tensor(bad))
