@@ -91,7 +91,8 @@ def context_match_len(ids: Any, cap: int = CONTEXT_MATCH_CAP) -> int:
 
     The prompt-lookup match length: how much of the context's tail repeats
     something already in the context (code repeats names, summaries repeat the
-    passage). Works for any draft; O(len(ids)) per call.
+    passage). Works for any draft; O(len(ids)) per call. One-shot form of
+    :class:`ContextMatcher`, which the hook keeps incrementally over a generation.
 
     Parameters
     ----------
@@ -106,21 +107,10 @@ def context_match_len(ids: Any, cap: int = CONTEXT_MATCH_CAP) -> int:
         0 when the last token never occurred before.
     """
     if _is_torch(ids):
-        ids = ids.detach().cpu().numpy()
-    a = np.asarray(ids).reshape(-1)
-    n = a.size
-    if n < 2 or cap < 1:
-        return 0
-    # ends j < n - 1 of earlier occurrences of the last token, then keep those whose preceding tokens match too
-    ends = np.flatnonzero(a[:-1] == a[-1])
-    k = 0
-    while ends.size and k < cap:
-        k += 1
-        if k == cap:
-            break
-        ends = ends[ends >= k]
-        ends = ends[a[ends - k] == a[n - 1 - k]]
-    return k
+        ids = ids.detach().cpu().reshape(-1).tolist()
+    matcher = ContextMatcher(cap)
+    matcher.extend(np.asarray(ids, dtype=np.int64).reshape(-1).tolist())
+    return matcher.match_len()
 
 
 class ContextMatcher:
@@ -130,8 +120,8 @@ class ContextMatcher:
     forward pass, when numpy's code and data are cold (~90 us per call there
     against ~3 us back to back). This keeps the sequence as a list and, per
     token, where it occurred; a step then reads only the new tokens and checks
-    the earlier occurrences of the last one. The value is the same as
-    :func:`context_match_len` (tested on random sequences).
+    the earlier occurrences of the last one. :func:`context_match_len` is its
+    one-shot form (tested against a brute force on random sequences).
 
     Parameters
     ----------
