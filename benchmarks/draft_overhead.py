@@ -21,6 +21,8 @@ import warnings
 import numpy as np
 import torch
 
+from speckv_policy.cli.common import add_draft_precision_argument
+
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain in two sentences why the sky is blue.",
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="datasets/smollm2/draft")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--draft-precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
+    add_draft_precision_argument(ap)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     from speckv_policy.hf import attach

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from speckv_policy.atomic import atomic_write_text
-from speckv_policy.cli.common import int_at_least
+from speckv_policy.cli.common import add_draft_precision_argument, int_at_least
 from speckv_policy.evaluation.race import goals, make_arms, markdown, plot, summarize_runs, unexplained, write_section
 
 
@@ -42,12 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy-dir", default="exported")
     ap.add_argument("--policy-prefix", default="smollm2-")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument(
-        "--draft-precision",
-        choices=("auto", "fp32", "bf16", "fp16"),
-        default="auto",
-        help="dtype the draft runs in (default auto: bf16 on a CPU with native bf16, fp32 on other CPUs, fp16 on CUDA)",
-    )
+    add_draft_precision_argument(ap)
     ap.add_argument("--out", default="docs/e2e.json", help="raw runs and summary (JSON)")
     ap.add_argument("--plot", default="docs/e2e_speedup.png")
     ap.add_argument("--doc", default="docs/benchmarks.md", help="markdown file whose e2e section is rewritten")

@@ -337,3 +337,6 @@ def test_draft_precision_auto_resolves_by_device_and_cpu(monkeypatch):
     assert draft_precision("cpu", "fp16") == "fp16" and draft_precision("cuda", "fp32") == "fp32"  # explicit wins
     with pytest.raises(ValueError, match="draft precision 'int8': expected one of auto, fp32, bf16, fp16"):
         draft_precision("cpu", "int8")
+    from speckv_policy.cli.common import DRAFT_PRECISION_CHOICES
+
+    assert DRAFT_PRECISION_CHOICES == models.DRAFT_PRECISIONS  # what the CLIs offer is what the loader takes

@@ -11,7 +11,7 @@ import sys
 import time
 
 from ..objective import COMPRESSION_NAMES_BY_CODE
-from .common import exit_cleanly_on_sigterm, fail, int_at_least
+from .common import add_draft_precision_argument, exit_cleanly_on_sigterm, fail, int_at_least
 
 
 def _positive(text: str) -> float:
@@ -42,12 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gamma-max", type=int_at_least(1), default=8)
     p.add_argument("--max-new-tokens", type=int_at_least(4), default=48)
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--draft-precision",
-        choices=("auto", "fp32", "bf16", "fp16"),
-        default="auto",
-        help="dtype the draft runs in (default auto: bf16 on a CPU with native bf16, fp32 on other CPUs, fp16 on CUDA)",
-    )
+    add_draft_precision_argument(p)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     exit_cleanly_on_sigterm()

@@ -26,6 +26,20 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+#: The ``--draft-precision`` choices (validated again by ``hf.models.draft_precision``; tests keep the two equal).
+DRAFT_PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
+
+
+def add_draft_precision_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--draft-precision`` (default ``auto``) to a command that loads the draft."""
+    parser.add_argument(
+        "--draft-precision",
+        choices=DRAFT_PRECISION_CHOICES,
+        default="auto",
+        help="dtype the draft runs in (default auto: bf16 on a CPU with native bf16, fp32 on other CPUs, fp16 on CUDA)",
+    )
+
+
 def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
     """argparse type: a float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
 

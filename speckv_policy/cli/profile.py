@@ -9,7 +9,7 @@ from ..hf.profiler import ProfileConfig, profile
 from ..logs import LogValidationError
 from ..prompts import PromptFileError, read_prompts
 from ..smollm2.models import SMOLLM2_MODELS
-from .common import exit_cleanly_on_sigterm, fail, float_in, int_at_least
+from .common import add_draft_precision_argument, exit_cleanly_on_sigterm, fail, float_in, int_at_least
 
 
 def _csv(text: str, cast: Any = str) -> tuple[Any, ...]:
@@ -37,12 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int_at_least(2), default=64)
     p.add_argument("--temperature", type=float_in(0.0, 100.0, low_open=True), default=0.7)
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--draft-precision",
-        choices=("auto", "fp32", "bf16", "fp16"),
-        default="auto",
-        help="dtype the draft runs in (default auto: bf16 on a CPU with native bf16, fp32 on other CPUs, fp16 on CUDA)",
-    )
+    add_draft_precision_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="profile", help="prefix of run ids")
     p.add_argument("--limit", type=int_at_least(1), help="profile only the first N prompts")

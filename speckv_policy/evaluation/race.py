@@ -404,6 +404,7 @@ def markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
     arms = result["arms"]
     ours = [a for a in arms if a.split("-")[0] in OURS]
+    precision = f" in {cfg['draft_precision']}" if cfg.get("draft_precision") else ""  # runs before it did not say
     lines = [
         BEGIN,
         "",
@@ -413,7 +414,7 @@ def markdown(result: dict[str, Any]) -> str:
         result["command"],
         "```",
         "",
-        f"Machine: {result['machine']}. Target {cfg['target']}, draft {cfg['draft']}{' in ' + cfg['draft_precision'] if cfg.get('draft_precision') else ''}; {cfg['prompts']} held-out "
+        f"Machine: {result['machine']}. Target {cfg['target']}, draft {cfg['draft']}{precision}; {cfg['prompts']} held-out "
         f"prompts ({cfg['per_task']} per task type), {cfg['max_new_tokens']} new tokens, {cfg['repeats']} "
         f"repeat(s), arms interleaved per prompt; {result['minutes']:.1f} min in all. Figures are medians over "
         "runs of time per output token; ratios are medians of per-run ratios against the same prompt's run of "
