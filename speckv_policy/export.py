@@ -38,6 +38,7 @@ from .schema import COMPRESSION_CODES, N_COMPRESSION_CODES, get_feature_set
 
 OPSET = 18
 EXPORT_FORMAT_VERSION = 1
+PROGRAM_VERSION = 1
 INPUT_NAME = "features"
 OUTPUT_NAMES = ("gamma", "values", "expected_tokens")
 #: Extra outputs of a gated export: the gate (int64 [N], 1 = draft) and the gate's expected tokens per candidate.
@@ -382,6 +383,98 @@ def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
     }
 
 
+# -- decision programs (speckv_policy.program): the same decision as plain data, for the runtime's Python engine --
+_ENSEMBLE_KEYS = (
+    "nodes_treeids",
+    "nodes_nodeids",
+    "nodes_featureids",
+    "nodes_values",
+    "nodes_modes",
+    "nodes_truenodeids",
+    "nodes_falsenodeids",
+    "class_treeids",
+    "class_nodeids",
+    "class_ids",
+    "class_weights",
+    "base_values",
+    "post_transform",
+)
+
+
+def _ensemble_spec(node: onnx.NodeProto) -> dict[str, Any]:
+    """The attributes of a ``TreeEnsembleClassifier`` node that decide its scores, as JSON-ready lists."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    out: dict[str, Any] = {}
+    for key in _ENSEMBLE_KEYS:
+        v = attrs.get(key, [] if key != "post_transform" else b"NONE")
+        if isinstance(v, bytes):
+            v = v.decode()
+        elif isinstance(v, list) and v and isinstance(v[0], bytes):
+            v = [x.decode() for x in v]
+        out[key] = [float(x) for x in v] if key in ("nodes_values", "class_weights", "base_values") else v
+    return out
+
+
+def _graph_ensemble(model: onnx.ModelProto, estimator: Any, n_inputs: int) -> dict[str, Any]:
+    """The tree ensemble the graph runs for ``estimator``: converted on its own, then found in ``model``."""
+    from skl2onnx import to_onnx
+    from skl2onnx.common.data_types import FloatTensorType
+
+    alone = to_onnx(
+        estimator,
+        initial_types=[("x", FloatTensorType([None, n_inputs]))],
+        options={"zipmap": False},
+        target_opset={"": OPSET, "ai.onnx.ml": 3},
+    )
+    (own,) = [n for n in alone.graph.node if n.op_type == "TreeEnsembleClassifier"]
+    spec = _ensemble_spec(own)
+    if not any(n.op_type == "TreeEnsembleClassifier" and _ensemble_spec(n) == spec for n in model.graph.node):
+        raise ValueError("the graph's tree ensemble differs from the model's own conversion; no program written")
+    return spec
+
+
+def _program_head(p: GammaPolicy, model: onnx.ModelProto) -> dict[str, Any] | None:
+    """One head's program spec, or None for a policy the Python engine does not evaluate (MLP, paper MLP16)."""
+    base = {"candidates": [int(c) for c in p.candidates_], "n_features": int(p.n_features_in_)}
+    f32 = lambda a: np.asarray(a, dtype=np.float32).astype(np.float64).tolist()  # noqa: E731 - as the graph holds it
+    if type(p) is GBTPolicy:
+        K = int(p.max_gamma_)
+        if p.model_ is None:
+            log_h = float(np.float32(np.log(max(p.constant_hazard_, HAZARD_FLOOR))))
+            return {**base, "kind": "constant", "survival": f32(np.exp(log_h * np.arange(1, K + 1)))}
+        ensemble = _graph_ensemble(model, p.model_, p.n_features_in_ + 1)
+        return {**base, "kind": "gbt", "positions": K, "hazard_floor": HAZARD_FLOOR, "ensemble": ensemble}
+    if type(p) is TablePolicy:
+        return {
+            **base,
+            "kind": "table",
+            "columns": [int(c) for c in p.columns_],
+            "edges": [f32(e) for e in p.edges_],
+            "strides": [int(s) for s in p.strides_],
+            "survival": f32(p.survival_table_),
+        }
+    if type(p) is FixedGammaPolicy:
+        code = get_feature_set(p.feature_set_).index("compression_code")
+        return {**base, "kind": "tokens", "code_column": code, "tokens": f32(p.tokens_table_)}
+    return None
+
+
+def decision_program(policy: GammaPolicy, model: onnx.ModelProto) -> dict[str, Any] | None:
+    """The ``speckv.program`` of an export (see :mod:`speckv_policy.program`), or None where there is none.
+
+    ``model`` is the policy's built graph: a tree ensemble is taken from it, so
+    the program holds exactly the thresholds and leaf values the graph runs.
+    The runtime checks a program against onnxruntime before deciding with it.
+    """
+    if type(policy) is GatedPolicy:
+        gate, head = _program_head(policy.gate_, model), _program_head(policy.head_, model)
+        if gate is None or head is None:
+            return None
+        return {"version": PROGRAM_VERSION, "decide": head, "gate": gate}
+    head = _program_head(policy, model)
+    return None if head is None else {"version": PROGRAM_VERSION, "decide": head}
+
+
 def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
     """Build (without saving) the ONNX model of a fitted policy's decision.
 
@@ -421,7 +514,11 @@ def build_onnx(policy: GammaPolicy) -> onnx.ModelProto:
     model.producer_name, model.producer_version = "speckv-policy", __version__
     model.ir_version = min(model.ir_version, 10)
     del model.metadata_props[:]
-    helper.set_model_props(model, policy_metadata(policy))
+    meta = policy_metadata(policy)
+    program = decision_program(policy, model)
+    if program is not None:
+        meta["speckv.program"] = json.dumps(program, separators=(",", ":"))
+    helper.set_model_props(model, meta)
     onnx.checker.check_model(model, full_check=True)
     return model
 

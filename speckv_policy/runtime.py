@@ -24,6 +24,7 @@ import numpy as np
 
 from .features import as_feature_matrix
 from .objective import CostModel, per_second_scale
+from .program import DecisionProgram, ProgramError, float32_row
 from .schema import COMPRESSION_CODES, FEATURE_SETS, N_COMPRESSION_CODES, FeatureSet
 
 #: What a caller who wants fallbacks is advised to use: HF's classic fixed length.
@@ -39,6 +40,11 @@ REQUIRED_METADATA = (
     "speckv.compression_codes",
 )
 SUPPORTED_FORMAT_VERSION = 1
+SUPPORTED_PROGRAM_VERSION = 1
+#: Decision engines: ``auto`` = the export's Python program where it has one that agrees with onnxruntime.
+ENGINES = ("auto", "python", "onnxruntime")
+#: Rows the Python program is checked on against onnxruntime at load.
+PROGRAM_CHECK_ROWS = 512
 
 
 class PolicyLoadError(RuntimeError):
@@ -97,6 +103,16 @@ class RuntimePolicy:
         with. The acceptance model (expected tokens per candidate) is the
         export's own; only the prices change. Needs an export that maximises
         tokens per second (:attr:`repriceable`).
+    engine : {'auto', 'python', 'onnxruntime'}, default='auto'
+        What runs a single decision (:meth:`decide`, :meth:`decide_gate`).
+        ``'python'``: the export's decision program (``speckv.program``
+        metadata, :mod:`speckv_policy.program`) in plain Python, which stays
+        fast right after a model's forward pass, where onnxruntime's code runs
+        cold; raises if the export has none or it disagrees with the graph.
+        ``'onnxruntime'``: always the graph. ``'auto'``: the program where the
+        export has one that agrees with the graph on check rows straddling
+        every threshold (GBT, table and fixed policies), else the graph.
+        Batch methods always run the graph.
 
     Attributes
     ----------
@@ -119,6 +135,11 @@ class RuntimePolicy:
         Whether the export is a gated policy (feature set ``gated``): then
         :meth:`decide_gate` says whether to draft at all before the probe, from
         the leading ``pre`` columns, and :meth:`decide` is the length head.
+    engine : {'python', 'onnxruntime', 'none'}
+        What runs :meth:`decide` and :meth:`decide_gate` ('none' if not loaded).
+    program_error : str or None
+        Why an export's program is not used (``engine='auto'``), e.g. none
+        written (MLP policies) or a disagreement with the graph.
     """
 
     def __init__(
@@ -129,7 +150,10 @@ class RuntimePolicy:
         fallback_gamma: int | None = None,
         intra_op_num_threads: int = 1,
         cost_model: Any = None,
+        engine: str = "auto",
     ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         if fallback_gamma is not None and (
             isinstance(fallback_gamma, bool)
             or not isinstance(fallback_gamma, (int, np.integer))
@@ -156,15 +180,27 @@ class RuntimePolicy:
         self._scale = np.float32(1.0)
         self._code_index = 0
         self._candidate_set: frozenset[int] = frozenset()
+        self.engine = "none"
+        self.program_error: str | None = None
+        self._program: DecisionProgram | None = None  # the length head's (or only) program
+        self._gate_program: DecisionProgram | None = None
+        self._prices: list[list[float]] | None = None  # step times per code x candidate for the program, or None
+        self._gate_prices: list[list[float]] | None = None
         try:
             self._load(providers, intra_op_num_threads)
+            self.engine = "onnxruntime"
+            if engine != "onnxruntime":
+                self._load_program(required=engine == "python")
             if cost_model is not None:
                 self.reprice(cost_model)
         except (PolicyLoadError, OSError) as exc:
             if self.fallback_gamma is None:
                 raise
             self.load_error = exc
-            self._session = self._x = None  # a half-configured policy never decides
+            self._session = self._x = self._program = self._gate_program = (
+                None  # a half-configured policy never decides
+            )
+            self.engine = "none"
             self._fallback(exc)
 
     # -- pricing -----------------------------------------------------------
@@ -198,6 +234,7 @@ class RuntimePolicy:
             self.set_step_times(cm.time_table(self.candidates), unit=cm.unit)
         self.cost_model = cm
         self.repriced = True
+        self._set_program_prices()
 
     def set_step_times(self, times: Any, unit: str = "ms") -> None:
         """Decide with these step times: shape ``(3, G)``, row = compression code, column = candidate.
@@ -223,6 +260,8 @@ class RuntimePolicy:
         self._times = self._times_table(times)
         self._scale = np.float32(per_second_scale(unit))
         self.repriced = True
+        if self._program is not None:
+            self._prices = self._times.tolist()
 
     def _priced(
         self, expected_tokens: np.ndarray, x: np.ndarray, times: np.ndarray | None = None
@@ -287,6 +326,113 @@ class RuntimePolicy:
                 sess.run_with_iobinding(self._io_gate)
         except Exception as exc:
             raise PolicyLoadError(f"{self.path}: the model does not run on a feature row ({exc})") from exc
+
+    # -- the Python engine -------------------------------------------------
+    def _load_program(self, required: bool) -> None:
+        """Compile the export's decision program and check it against the graph; use it if they agree."""
+        why = None
+        raw = self.metadata.get("speckv.program")
+        if raw is None:
+            why = "the export has no decision program (MLP and paper-MLP16 exports have none)"
+        else:
+            try:
+                spec = json.loads(raw)
+                if int(spec["version"]) > SUPPORTED_PROGRAM_VERSION:
+                    raise ProgramError(f"program version {spec['version']} is newer than this runtime reads")
+                head = DecisionProgram(spec["decide"])
+                gate = DecisionProgram(spec["gate"]) if "gate" in spec else None
+                if head.candidates != self.candidates.tolist() or (gate is not None) != self.gated:
+                    raise ProgramError("its candidates or heads differ from the graph's")
+                if max(head.n_features, gate.n_features if gate else 0) > self._x.shape[1]:  # type: ignore[union-attr]
+                    raise ProgramError("it reads more columns than the feature set has")
+                if self.repriceable and self.cost_model is None:
+                    raise ProgramError("the export has no cost model to price it with")
+                self._program, self._gate_program = head, gate
+                self._set_program_prices()
+                self._check_program()
+            except (ProgramError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                self._program = self._gate_program = self._prices = self._gate_prices = None
+                why = f"its decision program is not usable ({exc})"
+        if why is not None:
+            if required:
+                raise PolicyLoadError(f"{self.path}: engine='python' needs a usable decision program; {why}")
+            self.program_error = why
+            return
+        self.engine = "python"
+
+    def _set_program_prices(self) -> None:
+        """Step times per compression code x candidate, as lists, for the programs (None: tokens per step)."""
+        if self._program is None:
+            return
+        if not self.repriceable:
+            self._prices = self._gate_prices = None
+            return
+        cm = self.cost_model
+        table = self._times if self._times is not None else np.float32(cm.time_table(self.candidates))  # type: ignore[union-attr]
+        self._prices = table.tolist()
+        if self.gated:
+            gate = self._gate_times
+            if gate is None:
+                gate = np.float32(replace(cm, decision_draft_tokens=0).time_table(self.candidates))  # type: ignore[arg-type]
+            self._gate_prices = gate.tolist()
+
+    def _program_values(self, program: DecisionProgram, prices: list[list[float]] | None, row: list[float]) -> list:
+        tokens = program.expected_tokens(row)
+        if prices is None:
+            return tokens
+        times = prices[min(max(round(row[self._code_index]), 0), N_COMPRESSION_CODES - 1)]
+        return [e / t for e, t in zip(tokens, times)]
+
+    def _program_gamma(self, program: DecisionProgram, prices: list[list[float]] | None, row: list[float]) -> int:
+        values = self._program_values(program, prices, row)
+        return program.candidates[max(range(len(values)), key=values.__getitem__)]  # the first best, as ArgMax
+
+    def _check_rows(self) -> np.ndarray:
+        """Rows straddling every threshold the programs test (each value and the next float32 above it)."""
+        F = self._x.shape[1]  # type: ignore[union-attr]
+        choices: list[list[float]] = []
+        for j in range(F):
+            if j == self._code_index:
+                choices.append([0.0, 1.0, 2.0])
+                continue
+            thr = [t for p in (self._program, self._gate_program) if p is not None for t in p.thresholds.get(j, [])]
+            up = np.nextafter(np.float32(thr), np.float32(np.inf)).tolist() if thr else []
+            choices.append(sorted({0.0, 1.0, *thr, *up}))
+        rng = np.random.default_rng(0)
+        cols = [rng.choice(np.asarray(c, dtype=np.float32), PROGRAM_CHECK_ROWS) for c in choices]
+        return np.stack(cols, axis=1).astype(np.float32)
+
+    def _check_program(self) -> None:
+        """Raise ProgramError unless the programs give the graph's expected tokens and decisions on check rows."""
+        X = self._check_rows()
+        heads = [("gamma", "expected_tokens", self._program, self._prices)]
+        if self._gate_program is not None:
+            heads.append(("gate", "gate_expected_tokens", self._gate_program, self._gate_prices))
+        for decision, tokens, program, prices in heads:
+            d, e = self._session.run([decision, tokens], {"features": X})
+            for i, row in enumerate(X.tolist()):
+                mine = program.expected_tokens(row)  # type: ignore[union-attr]
+                if max(abs(a - b) for a, b in zip(mine, e[i].tolist())) > 1e-4 * max(1.0, max(mine)):
+                    raise ProgramError(f"expected tokens differ from the graph's on check row {i}")
+                values = sorted(self._program_values(program, prices, row), reverse=True)  # type: ignore[arg-type]
+                if len(values) > 1 and values[0] - values[1] <= 1e-5 * abs(values[0]):
+                    continue  # a tie within float32 rounding: either answer is the graph's up to rounding
+                g = self._program_gamma(program, prices, row)  # type: ignore[arg-type]
+                if (g > 0 if decision == "gate" else g) != (bool(d[i]) if decision == "gate" else int(d[i])):
+                    raise ProgramError(f"its {decision} differs from the graph's on check row {i}")
+
+    def _row_list(self, features: Any, caller: str) -> list[float]:
+        """One step's features as float32 values in a Python list, checked (the Python engine's input)."""
+        if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:  # type: ignore[union-attr]
+            row = features.tolist()
+        elif type(features) is list and len(features) == self._x.shape[1]:  # type: ignore[union-attr]
+            row = float32_row(features)  # rounded as the graph's float32 input would be
+        else:
+            row = self._one_row(features, caller)[0].tolist()
+        total = sum(row)
+        if total - total != 0.0:  # NaN or inf somewhere (float32 values cannot sum to inf)
+            raise ValueError("non-finite feature values (NaN or inf)")
+        return row
 
     def _check_metadata(self) -> None:
         try:
@@ -387,6 +533,8 @@ class RuntimePolicy:
             A gamma from :attr:`candidates` (or the fallback gamma).
         """
         try:
+            if self._program is not None:
+                return self._program_gamma(self._program, self._prices, self._row_list(features, "decide"))
             x = self._one_row(features, "decide")
             if self._times is not None:
                 e = self._session.run(["expected_tokens"], {"features": x})[0]
@@ -419,6 +567,9 @@ class RuntimePolicy:
         try:
             if self._x is not None and not self.gated:
                 raise PolicyLoadError(f"{self.path}: not a gated export (feature set {self.feature_set.name})")  # type: ignore[union-attr]
+            if self._gate_program is not None:
+                row = self._row_list(features, "decide_gate")
+                return self._program_gamma(self._gate_program, self._gate_prices, row) > 0
             x = self._one_row(features, "decide_gate")
             if self._gate_times is not None:
                 return bool(self._gate_batch(x)[0])
@@ -463,7 +614,7 @@ class RuntimePolicy:
         fs = self.feature_set.name if self.feature_set else "?"
         return (
             f"RuntimePolicy({self.path!r}, policy={self.metadata.get('speckv.policy', '?')}, "
-            f"feature_set={fs}, candidates={self.candidates.tolist()}, provider={self.provider}"
+            f"feature_set={fs}, candidates={self.candidates.tolist()}, provider={self.provider}, engine={self.engine}"
             + (", repriced" if self.repriced else "")
             + ")"
         )
