@@ -261,26 +261,31 @@ class OnlineFeatureState:
             dtype=np.float32,
         )
 
+    def pre_values(self, context_len: int, match_len: int) -> list[float]:
+        """:meth:`pre_features` as a list of Python floats (not yet rounded to float32).
+
+        What the runtime's Python engine reads inside generation, where even
+        creating a small numpy array costs ~25 us right after a forward pass.
+        """
+        full = 1.0 if self.prev_gamma > 0 and self.prev_accepted == self.prev_gamma else 0.0
+        return [
+            float(self.code),
+            float(self.prev_rate),
+            float(self.ema_rate),
+            float(self.prev_accepted),
+            float(self.prev_gamma),
+            full,
+            math.log1p(context_len),
+            float(self.temperature),
+            float(match_len),
+        ]
+
     def pre_features(self, context_len: int, match_len: int) -> np.ndarray:
         """Feature vector (``pre`` set, float32) for the step about to be decided, before any draft token exists.
 
         ``match_len`` is :func:`context_match_len` of the context.
         """
-        full = 1.0 if self.prev_gamma > 0 and self.prev_accepted == self.prev_gamma else 0.0
-        return np.array(
-            [
-                self.code,
-                self.prev_rate,
-                self.ema_rate,
-                self.prev_accepted,
-                self.prev_gamma,
-                full,
-                math.log1p(context_len),
-                self.temperature,
-                match_len,
-            ],
-            dtype=np.float32,
-        )
+        return np.array(self.pre_values(context_len, match_len), dtype=np.float32)
 
 
 def gated_features(pre: np.ndarray, conf_first: float, entropy_first: float) -> np.ndarray:
@@ -290,6 +295,11 @@ def gated_features(pre: np.ndarray, conf_first: float, entropy_first: float) -> 
     out[-2] = conf_first
     out[-1] = entropy_first
     return out
+
+
+def gated_values(pre: list[float], conf_first: float, entropy_first: float) -> list[float]:
+    """:func:`gated_features` of a :meth:`OnlineFeatureState.pre_values` list, as a list."""
+    return [*pre, float(conf_first), float(entropy_first)]
 
 
 def paper_features(

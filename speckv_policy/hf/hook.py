@@ -68,6 +68,7 @@ from ..features import (
     OnlineFeatureState,
     draft_token_stats_from_logits,
     gated_features,
+    gated_values,
     paper_features,
 )
 from ..runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
@@ -157,11 +158,14 @@ class _Decider:
         self.load_error: Exception | None = None
         self.runtime: RuntimePolicy | None = None
         self._gate: Callable[[Any], Any] | None = None  # a gated policy's pre-draft gate
+        engine = "auto"
         if isinstance(policy, RuntimePolicy) and own_runtime and policy.load_error is None:
-            policy = policy.path  # a private copy to re-price: the caller's object stays as it is
+            # a private copy to re-price: the caller's object stays as it is (its engine choice carries over)
+            engine = "onnxruntime" if policy.engine == "onnxruntime" else "auto"
+            policy = policy.path
         if isinstance(policy, (str, os.PathLike)):
             try:  # load strictly: failures must go through this decider's one warning and its count
-                policy = RuntimePolicy(policy)
+                policy = RuntimePolicy(policy, engine=engine)
             except Exception as exc:
                 self.load_error = exc
         if self.load_error is not None:
@@ -281,7 +285,10 @@ class _Controller:
         # the target's confidence and entropy at the last verified position: logged by a profile (log schema v2),
         # read by no feature set since 'pre' v3, so a run that records nothing does not pay for them
         self.target_signals = record_tokens
-        self._pre_row: np.ndarray | None = None  # gated mode: the step's pre features, completed by the probe
+        self._pre_row: Any = None  # gated mode: the step's pre features, completed by the probe
+        # the runtime's Python engine reads the features as a list (no numpy on the step's path, see pre_values)
+        runtime = getattr(decider, "runtime", None)
+        self._lists = runtime is not None and runtime.engine == "python"
         self._signal_us = 0.0  # time spent on them after the last verification, charged to the next decision
         self._matcher = ContextMatcher()  # context_match_len, kept incrementally over a generation
 
@@ -359,7 +366,10 @@ class _Controller:
         assert self.state is not None and self.current is not None
         t = time.perf_counter()
         cur = self.current
-        x = self.state.pre_features(cur.context_len, int(cur.context_match_len))
+        if self._lists:
+            x: Any = self.state.pre_values(cur.context_len, int(cur.context_match_len))
+        else:
+            x = self.state.pre_features(cur.context_len, int(cur.context_match_len))
         return min(self._decide(x, t), self.max_gamma)
 
     def plan_gate(self) -> bool:
@@ -367,8 +377,12 @@ class _Controller:
         assert self.state is not None and self.current is not None and self.decider is not None
         t = time.perf_counter()
         cur = self.current
-        self._pre_row = self.state.pre_features(cur.context_len, int(cur.context_match_len))
-        opened, fell_back = self.decider.gate(gated_features(self._pre_row, 0.0, 0.0))
+        if self._lists:
+            self._pre_row = self.state.pre_values(cur.context_len, int(cur.context_match_len))
+            opened, fell_back = self.decider.gate(gated_values(self._pre_row, 0.0, 0.0))
+        else:
+            self._pre_row = self.state.pre_features(cur.context_len, int(cur.context_match_len))
+            opened, fell_back = self.decider.gate(gated_features(self._pre_row, 0.0, 0.0))
         cur.decision_us += (time.perf_counter() - t) * 1e6
         cur.fallback |= fell_back
         return opened
@@ -394,7 +408,8 @@ class _Controller:
             if k == 1:
                 assert self._pre_row is not None
                 conf, ent = draft_token_stats_from_logits(logits)
-                self._plan = self._decide(gated_features(self._pre_row, float(conf), float(ent)), t)
+                combine = gated_values if self._lists else gated_features
+                self._plan = self._decide(combine(self._pre_row, float(conf), float(ent)), t)  # type: ignore[arg-type]
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
         # per-token: would a step starting from this token's distribution draft?
