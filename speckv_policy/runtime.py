@@ -328,6 +328,16 @@ class RuntimePolicy:
             raise PolicyLoadError(f"{self.path}: the model does not run on a feature row ({exc})") from exc
 
     # -- the Python engine -------------------------------------------------
+    @property
+    def program(self) -> DecisionProgram | None:
+        """The length head's (or only) decision program the Python engine runs; None on onnxruntime."""
+        return self._program
+
+    @property
+    def gate_program(self) -> DecisionProgram | None:
+        """A gated export's gate program on the Python engine; None otherwise."""
+        return self._gate_program
+
     def _load_program(self, required: bool) -> None:
         """Compile the export's decision program and check it against the graph; use it if they agree."""
         why = None

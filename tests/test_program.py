@@ -67,7 +67,7 @@ def test_python_engine_decides_as_the_graph(name, fs, exports, synthetic):
     values = ort.expected_values(X)
     _same_decisions([py.decide(r) for r in X], values["gamma"].tolist(), values["values"])
     # expected tokens, not just the argmax
-    head = py._program
+    head = py.program
     mine = np.array([head.expected_tokens(float32_row(r)) for r in X])
     np.testing.assert_allclose(mine, values["expected_tokens"], rtol=1e-5, atol=1e-5)
 
@@ -270,3 +270,29 @@ def test_tree_ensemble_cycle_and_roots_are_refused():
     }
     with pytest.raises(ProgramError, match="node 7"):
         DecisionProgram({**spec, "ensemble": dangling})
+
+
+@pytest.mark.parametrize("mode", ["pre", "gated"])
+def test_the_hook_decides_the_same_on_either_engine(mode, exports, monkeypatch):
+    """Same gates and gammas per step in generation; the Python engine is handed lists, not numpy arrays."""
+    import torch
+
+    from speckv_policy.hf import attach
+    from speckv_policy.testing import tiny_llama_pair
+
+    target, draft = tiny_llama_pair(seed=0)
+    ids = torch.tensor([[1, 2, 3, 1, 2]])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    seen: list[type] = []
+    row_list = RuntimePolicy._row_list
+    monkeypatch.setattr(RuntimePolicy, "_row_list", lambda self, f, c: seen.append(type(f)) or row_list(self, f, c))
+    runs = {}
+    for engine in ("python", "onnxruntime"):
+        rt = RuntimePolicy(exports[f"gbt-{mode}"], engine=engine)
+        with attach(target, rt, compression="nf4", mode=mode) as h:
+            out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+        assert torch.equal(out, ref) and h.summary()["fallbacks"] == 0
+        runs[engine] = [(s.gamma, s.drafted) for s in h.stats]
+    assert runs["python"] == runs["onnxruntime"]
+    assert len({g for g, _ in runs["python"]}) > 1, "the check needs varied decisions"
+    assert seen and set(seen) == {list}  # only the Python engine reads rows as lists, and it got nothing else
