@@ -143,10 +143,16 @@ def _ensemble_trees(e: dict[str, Any]) -> tuple[list[_Tree], float]:
         else:
             raise ProgramError(f"node mode {mode!r}; only BRANCH_LEQ and LEAF are evaluated")
         by_tree.setdefault(t, {})[node] = entry
+    numbers = [n[2] for v in by_tree.values() for n in v.values() if n[0] == "leq"] + list(weights.values())
+    if not all(map(math.isfinite, numbers)):
+        raise ProgramError("the ensemble has a threshold or leaf value that is not finite")
     trees = []
     for t in sorted(by_tree):
         nodes = by_tree[t]
-        children = {c for v in nodes.values() if v[0] == "leq" for c in v[3:]}
+        refs = [c for v in nodes.values() if v[0] == "leq" for c in v[3:]]
+        children = set(refs)
+        if len(children) != len(refs):  # a node reached twice: a graph, not a tree (and exponential to walk)
+            raise ProgramError(f"tree {t} is not a tree: a node has two parents")
         roots = [i for i in nodes if i not in children]
         if len(roots) != 1:
             raise ProgramError(f"tree {t} has {len(roots)} roots")
@@ -247,6 +253,8 @@ class _TableSurvival:
             raise ProgramError("a table program needs as many columns, edge lists and strides")
         if any(not 0 <= c < self.n_features for c in self.columns):
             raise ProgramError(f"a table program reads columns {self.columns}; the row has {self.n_features}")
+        if not all(math.isfinite(v) for row in (*self.edges, *self.table) for v in row):
+            raise ProgramError("a table program has an edge or survival value that is not finite")
         top = sum(s * len(e) for s, e in zip(self.strides, self.edges))
         if top >= len(self.table) or any(e != sorted(e) for e in self.edges):
             raise ProgramError("a table program's strides, edges and table do not fit together")
@@ -315,7 +323,7 @@ class DecisionProgram:
             self._head = _SURVIVAL_KINDS[self.kind](spec)
         except ProgramError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as exc:
             raise ProgramError(f"malformed {spec.get('kind', '?')!r} program ({type(exc).__name__}: {exc})") from None
         self.n_features = self._head.n_features
         self.thresholds = self._head.thresholds

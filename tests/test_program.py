@@ -161,6 +161,7 @@ def test_a_program_that_disagrees_with_the_graph_is_not_used(exports, tmp_path):
         (lambda p: p["decide"]["ensemble"].update(nodes_modes=["BRANCH_LT"] * 3), "differ in length"),
         (lambda p: p["decide"]["ensemble"].pop("nodes_values"), "malformed 'gbt' program"),
         (lambda p: p["decide"].update(candidates=[0, 1]), "candidates or heads differ"),
+        (lambda p: p["decide"]["ensemble"]["nodes_values"].__setitem__(0, float("nan")), "not finite"),
     ],
 )
 def test_a_malformed_program_is_named_and_the_graph_decides(edit, message, exports, tmp_path):
@@ -254,22 +255,50 @@ def test_tree_ensemble_cycle_and_roots_are_refused():
     np.testing.assert_allclose(lo, [1.0, 1 + s, 1 + s + s * s])
     np.testing.assert_allclose(hi, [1.0, 1 + (1 - s), 1 + (1 - s) + (1 - s) ** 2])
     assert prog.expected_tokens([0.5]) == lo  # x <= threshold takes the true branch
-    looped = {
+    looped = {  # 0 -> 1 -> 0: every node is someone's child, so there is no root
         **ens,
-        "nodes_modes": ["BRANCH_LEQ", "BRANCH_LEQ", "LEAF"],
-        "nodes_truenodeids": [1, 0, 0],
-        "nodes_falsenodeids": [2, 2, 0],
+        "nodes_treeids": [0, 0, 0, 0],
+        "nodes_nodeids": [0, 1, 2, 3],
+        "nodes_featureids": [0, 0, 0, 0],
+        "nodes_values": [0.5, 0.5, 0.0, 0.0],
+        "nodes_modes": ["BRANCH_LEQ", "BRANCH_LEQ", "LEAF", "LEAF"],
+        "nodes_truenodeids": [1, 0, 0, 0],
+        "nodes_falsenodeids": [2, 3, 0, 0],
     }
     with pytest.raises(ProgramError, match="roots"):
         DecisionProgram({**spec, "ensemble": looped})
-    dangling = {
+    shared = {**ens, "nodes_falsenodeids": [1, 0, 0]}  # both branches to node 1: a graph, exponential to walk
+    with pytest.raises(ProgramError, match="two parents"):
+        DecisionProgram({**spec, "ensemble": shared})
+    dangling = {  # node 2's false branch names node 7, which the tree does not have
         **ens,
-        "nodes_modes": ["BRANCH_LEQ", "LEAF", "BRANCH_LEQ"],
-        "nodes_truenodeids": [1, 0, 1],
-        "nodes_falsenodeids": [2, 0, 7],
+        "nodes_treeids": [0, 0, 0, 0],
+        "nodes_nodeids": [0, 1, 2, 3],
+        "nodes_featureids": [0, 0, 0, 0],
+        "nodes_values": [0.5, 0.0, 0.5, 0.0],
+        "nodes_modes": ["BRANCH_LEQ", "LEAF", "BRANCH_LEQ", "LEAF"],
+        "nodes_truenodeids": [1, 0, 3, 0],
+        "nodes_falsenodeids": [2, 0, 7, 0],
     }
     with pytest.raises(ProgramError, match="node 7"):
         DecisionProgram({**spec, "ensemble": dangling})
+    n = 5000  # a chain deeper than Python's recursion limit: refused, not a crash
+    chain = {
+        **ens,
+        "nodes_treeids": [0] * (2 * n + 1),
+        "nodes_nodeids": list(range(2 * n + 1)),
+        "nodes_featureids": [0] * (2 * n + 1),
+        "nodes_values": [0.5] * (2 * n + 1),
+        "nodes_modes": ["BRANCH_LEQ"] * n + ["LEAF"] * (n + 1),
+        "nodes_truenodeids": list(range(1, n)) + [n] + [0] * (n + 1),  # branch i -> branch i+1 (the last: leaf n)
+        "nodes_falsenodeids": list(range(n + 1, 2 * n + 1)) + [0] * (n + 1),  # branch i -> its own leaf
+        "class_treeids": [0],
+        "class_nodeids": [n],
+        "class_ids": [0],
+        "class_weights": [1.0],
+    }
+    with pytest.raises(ProgramError, match="malformed 'gbt' program \\(RecursionError"):
+        DecisionProgram({**spec, "ensemble": chain})
 
 
 @pytest.mark.parametrize("mode", ["pre", "gated"])
