@@ -144,9 +144,10 @@ def test_quickstart_runs_on_the_shipped_log(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "SYNTHETIC" in text
     assert (tmp_path / "synthetic-table.onnx").exists() and (tmp_path / "synthetic-fixed4.onnx").exists()
-    # tok/s, x target [CI], x best fixed [CI], x fixed4, x oracle, mean gamma, ONNX=Py %, p50 us
+    # tok/s, x target [CI], x best fixed [CI], x fixed4, x oracle, mean gamma, ONNX=Py %, p50 us (then the engine)
     table = _quickstart_rows(text)["table"]
     assert table[7] > 1.0  # beats fixed gamma 4 on held-out prompts
+    assert [ln.split()[-2] for ln in text.splitlines() if ln.startswith("table ")] == ["python"]
 
 
 def test_quickstart_prints_what_speckv_eval_prints(tmp_path, capsys):

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             status |= agree < 0.999
             warn_if_one_gamma(name, policy.predict(X), "speckv-quickstart")
             policies[name] = (policy.feature_set, policy.predict)
-            checks[name] = (agree, float(np.median(times)) * 1e6, path)
+            checks[name] = (agree, float(np.median(times)) * 1e6, rt.engine, path)
     except (OSError, ValueError) as exc:  # an --out that is a file, a full disk, a graph that does not run
         return fail("speckv-quickstart", exc)
     result, _ = evaluate_log(log, policies, policy_cost=cm, n_resamples=args.bootstrap)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     boot = result["bootstrap"].get("overall", {})
     header = (
         f"{'policy':<12} {'tok/s':>7} {'x target':>9} {'95% CI':>13} {'x best fixed':>13} {'95% CI':>13} "
-        f"{'x fixed4':>9} {'x oracle':>9} {'mean gamma':>11} {'ONNX=Py':>8} {'p50 us':>7}  file"
+        f"{'x fixed4':>9} {'x oracle':>9} {'mean gamma':>11} {'ONNX=Py':>8} {'p50 us':>7} {'engine':>11}  file"
     )
     print(header)
     print("-" * len(header))
@@ -122,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = boot[name][key]["ci"] if name in boot else (float("nan"), float("nan"))
         return f"[{lo:.3f}, {hi:.3f}]"
 
-    for name, (agree, p50, path) in checks.items():
+    for name, (agree, p50, engine, path) in checks.items():
         a = ov["arms"][name]
         print(
             f"{name:<12} {a['tokens_per_second']:7.2f} {a['vs_target']:9.3f} {ci(name, 'vs_target'):>13} "
             f"{a['vs_best_fixed']:13.3f} {ci(name, 'vs_best_fixed'):>13} {a['vs_fixed4']:9.3f} "
-            f"{a['vs_oracle']:9.3f} {a['mean_gamma']:11.2f} {agree:8.2%} {p50:7.1f}  {path}"
+            f"{a['vs_oracle']:9.3f} {a['mean_gamma']:11.2f} {agree:8.2%} {p50:7.1f} {engine:>11}  {path}"
         )
     ref = ov["arms"]
     print(
