@@ -91,7 +91,9 @@ class RuntimePolicy:
         The ``.onnx`` file written by ``speckv-export``.
     providers : {'cpu', 'cuda'} or list of str, default='cpu'
         onnxruntime execution providers. ``'cuda'`` raises if the CUDA
-        provider is not installed; :attr:`provider` tells which one runs.
+        provider is not installed; :attr:`provider` tells which one runs the
+        graph (batch calls, and single decisions unless :attr:`engine` is
+        ``'python'``).
     fallback_gamma : int or None, default=None
         ``None``: failures raise. An int: failures return it, with one warning.
     intra_op_num_threads : int, default=1
