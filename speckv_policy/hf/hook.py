@@ -289,6 +289,7 @@ class _Controller:
         # the runtime's Python engine reads the features as a list (no numpy on the step's path, see pre_values)
         runtime = getattr(decider, "runtime", None)
         self._lists = runtime is not None and runtime.engine == "python"
+        self._gated: Callable[[Any, float, float], Any] = gated_values if self._lists else gated_features
         self._signal_us = 0.0  # time spent on them after the last verification, charged to the next decision
         self._matcher = ContextMatcher()  # context_match_len, kept incrementally over a generation
 
@@ -361,28 +362,26 @@ class _Controller:
         self.current.fallback |= fell_back
         return g
 
+    def _pre_now(self) -> Any:
+        """This step's ``pre`` features: a list for the runtime's Python engine, else a float32 array."""
+        assert self.state is not None and self.current is not None
+        cur = self.current
+        pre = self.state.pre_values if self._lists else self.state.pre_features
+        return pre(cur.context_len, int(cur.context_match_len))
+
     def plan_pre(self) -> int:
         """``pre`` mode: the policy's gamma from the pre-draft signals, before any draft token."""
         assert self.state is not None and self.current is not None
         t = time.perf_counter()
-        cur = self.current
-        if self._lists:
-            x: Any = self.state.pre_values(cur.context_len, int(cur.context_match_len))
-        else:
-            x = self.state.pre_features(cur.context_len, int(cur.context_match_len))
-        return min(self._decide(x, t), self.max_gamma)
+        return min(self._decide(self._pre_now(), t), self.max_gamma)
 
     def plan_gate(self) -> bool:
         """``gated`` mode: whether the gate opens (draft, probe first) for this step, before any draft token."""
         assert self.state is not None and self.current is not None and self.decider is not None
         t = time.perf_counter()
         cur = self.current
-        if self._lists:
-            self._pre_row = self.state.pre_values(cur.context_len, int(cur.context_match_len))
-            opened, fell_back = self.decider.gate(gated_values(self._pre_row, 0.0, 0.0))
-        else:
-            self._pre_row = self.state.pre_features(cur.context_len, int(cur.context_match_len))
-            opened, fell_back = self.decider.gate(gated_features(self._pre_row, 0.0, 0.0))
+        self._pre_row = self._pre_now()
+        opened, fell_back = self.decider.gate(self._gated(self._pre_row, 0.0, 0.0))
         cur.decision_us += (time.perf_counter() - t) * 1e6
         cur.fallback |= fell_back
         return opened
@@ -408,8 +407,7 @@ class _Controller:
             if k == 1:
                 assert self._pre_row is not None
                 conf, ent = draft_token_stats_from_logits(logits)
-                combine = gated_values if self._lists else gated_features
-                self._plan = self._decide(combine(self._pre_row, float(conf), float(ent)), t)  # type: ignore[arg-type]
+                self._plan = self._decide(self._gated(self._pre_row, float(conf), float(ent)), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
         # per-token: would a step starting from this token's distribution draft?
