@@ -193,7 +193,8 @@ def _after_forward(exported: str, pattern: str, report) -> None:
 
 def _cell_repeats(exported: str, log_path: str) -> None:
     """Could decisions be precomputed per state? How often a step's cell (which side of every threshold the GBT
-    tests it lies on, i.e. the same decision) repeats, on the held-out runs replayed under the policy's own choices."""
+    tests it lies on, i.e. the same decision) repeats, on the held-out runs replayed under the policy's own choices.
+    Also prints what the Python engine compiled (trees, position classes)."""
     from bisect import bisect_left
 
     from speckv_policy.logs import read_log
@@ -210,6 +211,7 @@ def _cell_repeats(exported: str, log_path: str) -> None:
         else:
             X, _, _ = replay_features(held, "pre", rt.decide_batch)
             head = rt.program
+        print(f"{name}: {head.shape}")
         tests = [(f, sorted(thr)) for f, thr in head.thresholds.items()]
         steps = held.loc[X.index]
         rows = X.to_numpy(np.float32).tolist()

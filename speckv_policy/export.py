@@ -34,11 +34,11 @@ from .policies.gated import GatedPolicy
 from .policies.gbt import HAZARD_FLOOR, GBTPolicy
 from .policies.mlp import MLPPolicy
 from .policies.table import TablePolicy
+from .program import ENSEMBLE_KEYS, PROGRAM_VERSION
 from .schema import COMPRESSION_CODES, N_COMPRESSION_CODES, get_feature_set
 
 OPSET = 18
 EXPORT_FORMAT_VERSION = 1
-PROGRAM_VERSION = 1
 INPUT_NAME = "features"
 OUTPUT_NAMES = ("gamma", "values", "expected_tokens")
 #: Extra outputs of a gated export: the gate (int64 [N], 1 = draft) and the gate's expected tokens per candidate.
@@ -384,28 +384,13 @@ def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
 
 
 # -- decision programs (speckv_policy.program): the same decision as plain data, for the runtime's Python engine --
-_ENSEMBLE_KEYS = (
-    "nodes_treeids",
-    "nodes_nodeids",
-    "nodes_featureids",
-    "nodes_values",
-    "nodes_modes",
-    "nodes_truenodeids",
-    "nodes_falsenodeids",
-    "class_treeids",
-    "class_nodeids",
-    "class_ids",
-    "class_weights",
-    "base_values",
-    "post_transform",
-)
 
 
 def _ensemble_spec(node: onnx.NodeProto) -> dict[str, Any]:
     """The attributes of a ``TreeEnsembleClassifier`` node that decide its scores, as JSON-ready lists."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     out: dict[str, Any] = {}
-    for key in _ENSEMBLE_KEYS:
+    for key in ENSEMBLE_KEYS:
         v = attrs.get(key, [] if key != "post_transform" else b"NONE")
         if isinstance(v, bytes):
             v = v.decode()

@@ -264,8 +264,8 @@ class OnlineFeatureState:
     def pre_values(self, context_len: int, match_len: int) -> list[float]:
         """:meth:`pre_features` as a list of Python floats (not yet rounded to float32).
 
-        What the runtime's Python engine reads inside generation, where even
-        creating a small numpy array costs ~25 us right after a forward pass.
+        What the runtime's Python engine reads inside generation, where numpy's
+        calls run cold right after a forward pass (docs/benchmarks.md).
         """
         full = 1.0 if self.prev_gamma > 0 and self.prev_accepted == self.prev_gamma else 0.0
         return [

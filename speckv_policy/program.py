@@ -42,7 +42,30 @@ from itertools import accumulate
 from operator import add
 from typing import Any
 
-__all__ = ["DecisionProgram", "ProgramError", "float32_row"]
+__all__ = ["ENSEMBLE_KEYS", "PROGRAM_VERSION", "DecisionProgram", "ProgramError", "float32_row"]
+
+#: Version of the ``speckv.program`` format written by the exporter and read here.
+PROGRAM_VERSION = 1
+#: The per-node arrays of an ONNX tree ensemble a ``gbt`` program holds (all of one length).
+NODE_KEYS = (
+    "nodes_treeids",
+    "nodes_nodeids",
+    "nodes_featureids",
+    "nodes_values",
+    "nodes_modes",
+    "nodes_truenodeids",
+    "nodes_falsenodeids",
+)
+#: Every attribute of a ``TreeEnsembleClassifier`` node a ``gbt`` program holds (the rest do not change its scores).
+ENSEMBLE_KEYS = (
+    *NODE_KEYS,
+    "class_treeids",
+    "class_nodeids",
+    "class_ids",
+    "class_weights",
+    "base_values",
+    "post_transform",
+)
 
 
 class ProgramError(ValueError):
@@ -110,15 +133,7 @@ class _Tree:
 def _ensemble_trees(e: dict[str, Any]) -> tuple[list[_Tree], float]:
     """The trees of an ``ai.onnx.ml.TreeEnsembleClassifier`` (binary, one score column) and its base value."""
     n = len(e["nodes_treeids"])
-    keys = (
-        "nodes_nodeids",
-        "nodes_featureids",
-        "nodes_values",
-        "nodes_modes",
-        "nodes_truenodeids",
-        "nodes_falsenodeids",
-    )
-    if any(len(e[k]) != n for k in keys):
+    if any(len(e[k]) != n for k in NODE_KEYS):
         raise ProgramError("the ensemble's node arrays differ in length")
     if e.get("post_transform", "LOGISTIC") != "LOGISTIC":
         raise ProgramError(f"post_transform {e.get('post_transform')!r}; only LOGISTIC is evaluated")
@@ -171,6 +186,7 @@ class _GBTSurvival:
         if self.K < 1 or self.n_features < 1:
             raise ProgramError("a gbt program needs n_features >= 1 and positions >= 1")
         trees, self.base = _ensemble_trees(spec["ensemble"])
+        self.n_trees = len(trees)
         P = self.n_features  # the position column, appended after the features
         # every tree specialised per class of positions: segments of leaves grouped by the positions they serve
         segments: dict[tuple[int, ...], list[tuple[list[float], list[tuple[int, float, int, int]]]]] = {}
@@ -201,6 +217,11 @@ class _GBTSurvival:
                 bit += width
             self.groups.append((ks[0], ks[-1], first, bit // 8))
         self.n_bytes = bit // 8
+        self.n_specialised = sum(len(segs) for segs in segments.values())
+        self.shape = (
+            f"{self.n_trees} trees specialised into {self.n_specialised} over {len(segments)} classes of draft "
+            f"positions, {bit} leaf slots, {len(tests)} features tested"
+        )
         self.bases = [9 * i for i in range(self.n_bytes)]  # where each byte's 9 value slots start
         self.ones = ones
         self.everything = everything = (1 << bit) - 1
@@ -259,6 +280,7 @@ class _TableSurvival:
         if top >= len(self.table) or any(e != sorted(e) for e in self.edges):
             raise ProgramError("a table program's strides, edges and table do not fit together")
         self.thresholds = dict(zip(self.columns, self.edges))
+        self.shape = f"{len(self.table)} cells over {len(self.columns)} binned columns"
 
     def survival(self, row: Sequence[float]) -> list[float]:
         cell = 0
@@ -272,6 +294,7 @@ class _ConstantSurvival:
         self.curve = [float(v) for v in spec["survival"]]
         self.n_features = int(spec["n_features"])
         self.thresholds: dict[int, list[float]] = {}
+        self.shape = "one survival curve"
 
     def survival(self, row: Sequence[float]) -> list[float]:
         return self.curve
@@ -299,6 +322,8 @@ class DecisionProgram:
     thresholds : dict of int to list of float
         Per column, the values at which the head's output may change (the check
         rows of :class:`~speckv_policy.runtime.RuntimePolicy` straddle them).
+    shape : str
+        What was compiled, in words (e.g. trees and their position classes).
 
     Raises
     ------
@@ -315,6 +340,7 @@ class DecisionProgram:
                 self._code_column = int(spec["code_column"])
                 self.n_features = int(spec["n_features"])
                 self.thresholds = {self._code_column: [0.5, 1.5]}
+                self.shape = f"expected tokens for {len(self._tokens_by_code)} compression codes"
                 if any(len(r) != len(self.candidates) for r in self._tokens_by_code):
                     raise ProgramError("a tokens program needs one value per candidate per compression code")
                 return
@@ -327,6 +353,7 @@ class DecisionProgram:
             raise ProgramError(f"malformed {spec.get('kind', '?')!r} program ({type(exc).__name__}: {exc})") from None
         self.n_features = self._head.n_features
         self.thresholds = self._head.thresholds
+        self.shape = self._head.shape
         if not self.candidates or min(self.candidates) < 0:
             raise ProgramError(f"a program's candidates must be gammas >= 0, got {self.candidates}")
         K = max(self.candidates)

@@ -24,7 +24,7 @@ import numpy as np
 
 from .features import as_feature_matrix
 from .objective import CostModel, per_second_scale
-from .program import DecisionProgram, ProgramError, float32_row
+from .program import PROGRAM_VERSION, DecisionProgram, ProgramError, float32_row
 from .schema import COMPRESSION_CODES, FEATURE_SETS, N_COMPRESSION_CODES, FeatureSet
 
 #: What a caller who wants fallbacks is advised to use: HF's classic fixed length.
@@ -40,11 +40,15 @@ REQUIRED_METADATA = (
     "speckv.compression_codes",
 )
 SUPPORTED_FORMAT_VERSION = 1
-SUPPORTED_PROGRAM_VERSION = 1
 #: Decision engines: ``auto`` = the export's Python program where it has one that agrees with onnxruntime.
 ENGINES = ("auto", "python", "onnxruntime")
 #: Rows the Python program is checked on against onnxruntime at load.
 PROGRAM_CHECK_ROWS = 512
+
+
+def _first_best(candidates: list[int], values: list[float]) -> int:
+    """The candidate of the largest value, the first of equals (as ONNX ArgMax)."""
+    return candidates[max(range(len(values)), key=values.__getitem__)]
 
 
 class PolicyLoadError(RuntimeError):
@@ -349,7 +353,7 @@ class RuntimePolicy:
         else:
             try:
                 spec = json.loads(raw)
-                if int(spec["version"]) > SUPPORTED_PROGRAM_VERSION:
+                if int(spec["version"]) > PROGRAM_VERSION:
                     raise ProgramError(f"program version {spec['version']} is newer than this runtime reads")
                 head = DecisionProgram(spec["decide"])
                 gate = DecisionProgram(spec["gate"]) if "gate" in spec else None
@@ -396,8 +400,7 @@ class RuntimePolicy:
         return [e / t for e, t in zip(tokens, times)]
 
     def _program_gamma(self, program: DecisionProgram, prices: list[list[float]] | None, row: list[float]) -> int:
-        values = self._program_values(program, prices, row)
-        return program.candidates[max(range(len(values)), key=values.__getitem__)]  # the first best, as ArgMax
+        return _first_best(program.candidates, self._program_values(program, prices, row))
 
     def _check_rows(self) -> np.ndarray:
         """Rows straddling every threshold the programs test (each value and the next float32 above it)."""
@@ -426,10 +429,11 @@ class RuntimePolicy:
                 mine = program.expected_tokens(row)  # type: ignore[union-attr]
                 if max(abs(a - b) for a, b in zip(mine, e[i].tolist())) > 1e-4 * max(1.0, max(mine)):
                     raise ProgramError(f"expected tokens differ from the graph's on check row {i}")
-                values = sorted(self._program_values(program, prices, row), reverse=True)  # type: ignore[arg-type]
-                if len(values) > 1 and values[0] - values[1] <= 1e-5 * abs(values[0]):
+                values = self._program_values(program, prices, row)  # type: ignore[arg-type]
+                top = sorted(values, reverse=True)
+                if len(top) > 1 and top[0] - top[1] <= 1e-5 * abs(top[0]):
                     continue  # a tie within float32 rounding: either answer is the graph's up to rounding
-                g = self._program_gamma(program, prices, row)  # type: ignore[arg-type]
+                g = _first_best(program.candidates, values)  # type: ignore[union-attr]
                 if (g > 0 if decision == "gate" else g) != (bool(d[i]) if decision == "gate" else int(d[i])):
                     raise ProgramError(f"its {decision} differs from the graph's on check row {i}")
 
