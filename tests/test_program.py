@@ -232,6 +232,21 @@ def test_program_errors_are_specific():
         )
 
 
+def _tree(ens, branches, true, false):
+    """``ens`` with one tree of nodes 0..n-1 on feature 0 (threshold 0.5): ``branches[i]`` says whether node i tests."""
+    n = len(branches)
+    return {
+        **ens,
+        "nodes_treeids": [0] * n,
+        "nodes_nodeids": list(range(n)),
+        "nodes_featureids": [0] * n,
+        "nodes_values": [0.5 if b else 0.0 for b in branches],
+        "nodes_modes": ["BRANCH_LEQ" if b else "LEAF" for b in branches],
+        "nodes_truenodeids": true,
+        "nodes_falsenodeids": false,
+    }
+
+
 def test_tree_ensemble_cycle_and_roots_are_refused():
     ens = {
         "nodes_treeids": [0, 0, 0],
@@ -255,43 +270,23 @@ def test_tree_ensemble_cycle_and_roots_are_refused():
     np.testing.assert_allclose(lo, [1.0, 1 + s, 1 + s + s * s])
     np.testing.assert_allclose(hi, [1.0, 1 + (1 - s), 1 + (1 - s) + (1 - s) ** 2])
     assert prog.expected_tokens([0.5]) == lo  # x <= threshold takes the true branch
-    looped = {  # 0 -> 1 -> 0: every node is someone's child, so there is no root
-        **ens,
-        "nodes_treeids": [0, 0, 0, 0],
-        "nodes_nodeids": [0, 1, 2, 3],
-        "nodes_featureids": [0, 0, 0, 0],
-        "nodes_values": [0.5, 0.5, 0.0, 0.0],
-        "nodes_modes": ["BRANCH_LEQ", "BRANCH_LEQ", "LEAF", "LEAF"],
-        "nodes_truenodeids": [1, 0, 0, 0],
-        "nodes_falsenodeids": [2, 3, 0, 0],
-    }
+    looped = _tree(ens, [1, 1, 0, 0], [1, 0, 0, 0], [2, 3, 0, 0])  # 0 -> 1 -> 0: every node a child, no root
     with pytest.raises(ProgramError, match="roots"):
         DecisionProgram({**spec, "ensemble": looped})
     shared = {**ens, "nodes_falsenodeids": [1, 0, 0]}  # both branches to node 1: a graph, exponential to walk
     with pytest.raises(ProgramError, match="two parents"):
         DecisionProgram({**spec, "ensemble": shared})
-    dangling = {  # node 2's false branch names node 7, which the tree does not have
-        **ens,
-        "nodes_treeids": [0, 0, 0, 0],
-        "nodes_nodeids": [0, 1, 2, 3],
-        "nodes_featureids": [0, 0, 0, 0],
-        "nodes_values": [0.5, 0.0, 0.5, 0.0],
-        "nodes_modes": ["BRANCH_LEQ", "LEAF", "BRANCH_LEQ", "LEAF"],
-        "nodes_truenodeids": [1, 0, 3, 0],
-        "nodes_falsenodeids": [2, 0, 7, 0],
-    }
+    dangling = _tree(ens, [1, 0, 1, 0], [1, 0, 3, 0], [2, 0, 7, 0])  # node 2's false branch: node 7, absent
     with pytest.raises(ProgramError, match="node 7"):
         DecisionProgram({**spec, "ensemble": dangling})
     n = 5000  # a chain deeper than Python's recursion limit: refused, not a crash
-    chain = {
-        **ens,
-        "nodes_treeids": [0] * (2 * n + 1),
-        "nodes_nodeids": list(range(2 * n + 1)),
-        "nodes_featureids": [0] * (2 * n + 1),
-        "nodes_values": [0.5] * (2 * n + 1),
-        "nodes_modes": ["BRANCH_LEQ"] * n + ["LEAF"] * (n + 1),
-        "nodes_truenodeids": list(range(1, n)) + [n] + [0] * (n + 1),  # branch i -> branch i+1 (the last: leaf n)
-        "nodes_falsenodeids": list(range(n + 1, 2 * n + 1)) + [0] * (n + 1),  # branch i -> its own leaf
+    chain = {  # branch i -> branch i+1 (the last: leaf n) or its own leaf n+1+i
+        **_tree(
+            ens,
+            [1] * n + [0] * (n + 1),
+            list(range(1, n + 1)) + [0] * (n + 1),
+            list(range(n + 1, 2 * n + 1)) + [0] * (n + 1),
+        ),
         "class_treeids": [0],
         "class_nodeids": [n],
         "class_ids": [0],
