@@ -217,6 +217,10 @@ class RuntimePolicy:
     def reprice(self, cost_model: Any) -> None:
         """Decide under ``cost_model`` from now on (a :class:`CostModel`, its dict, or a JSON file).
 
+        ``cost_model`` brings the machine's times; the draft tokens the export's
+        decision mode pays before deciding (``decision_draft_tokens``: the upfront
+        probe) stay the export's own, as :func:`speckv_policy.export.reprice_onnx` keeps them.
+
         Raises
         ------
         PolicyLoadError
@@ -237,6 +241,8 @@ class RuntimePolicy:
             self._gate_times = self._times_table(replace(cm, decision_draft_tokens=0).time_table(self.candidates))
             cm = head
         else:
+            if self.cost_model is not None:  # the probe is the export's decision mode, not the machine's: keep it
+                cm = replace(cm, decision_draft_tokens=self.cost_model.decision_draft_tokens)
             self.set_step_times(cm.time_table(self.candidates), unit=cm.unit)
         self.cost_model = cm
         self.repriced = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import joblib
@@ -115,12 +116,17 @@ def with_cost_model(policy: GammaPolicy, cost_model: CostModel) -> GammaPolicy:
     What :class:`~speckv_policy.runtime.RuntimePolicy` does with ``cost_model=``
     and ``speckv-export --reprice`` do to an export, in Python. Tokens-per-step
     policies are returned as copies too (their decisions ignore the cost model).
+    ``cost_model`` brings the times; the draft tokens the policy pays before
+    deciding (``decision_draft_tokens``: the upfront probe) stay the policy's own.
     """
     import copy
 
     from sklearn.utils.validation import check_is_fitted
 
     check_is_fitted(policy)
+    own = getattr(policy, "cost_model_", None)
+    if own is not None:
+        cost_model = replace(cost_model, decision_draft_tokens=own.decision_draft_tokens)
     out = copy.deepcopy(policy)
     out.cost_model = cost_model
     out.cost_model_ = cost_model

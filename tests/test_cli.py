@@ -242,6 +242,8 @@ def test_docs_cover_the_schemas():
 
 def test_export_one_liner_and_reprice(tmp_path, capsys, monkeypatch):
     """`speckv-export model.onnx` as a user first types it, then re-priced for another machine."""
+    from dataclasses import replace
+
     from speckv_policy.objective import CostModel
 
     monkeypatch.chdir(ROOT)
@@ -256,7 +258,8 @@ def test_export_one_liner_and_reprice(tmp_path, capsys, monkeypatch):
     here = tmp_path / "model-here.onnx"
     assert export_cli.main(["--reprice", str(costs), str(out), str(here)]) == 0
     assert "re-priced" in capsys.readouterr().out
-    assert RuntimePolicy(here).cost_model == CostModel.load(costs)
+    # the machine's times; the upfront probe stays the export's (the calibration describes a machine, not a mode)
+    assert RuntimePolicy(here).cost_model == replace(CostModel.load(costs), decision_draft_tokens=1)
     log = read_log(ROOT / "datasets" / "smollm2" / "steps.parquet")
     X, _ = training_data(log, "online", split="heldout")
     np.testing.assert_array_equal(
@@ -289,3 +292,26 @@ def test_speckv_eval_with_one_held_out_prompt_reports_without_cis(tmp_path, caps
     assert eval_cli.main([*args, "--bootstrap", "100", "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "1 prompts" in out and "[no CI: < 2 prompts]" in out
+
+
+def test_speckv_eval_prices_everything_with_a_calibration(tmp_path, capsys):
+    """--costs: the exports are re-priced and the references priced with the given calibration, not the log's times."""
+    from speckv_policy.cli import evaluate as eval_cli
+    from speckv_policy.objective import CostModel
+
+    dear = tmp_path / "dear.json"  # drafting costs 5 target steps per token: no draft can pay
+    CostModel.relative(draft_cost=5.0, verify_cost_per_token=0.5).save(dear)
+    policies = ["exported/synthetic-gbt.onnx", "exported/synthetic-paper-mlp16.onnx"]
+    common = ["--log", str(SHIPPED_LOG), "--policy", *policies, "--bootstrap", "50", "--no-plots"]
+    assert eval_cli.main([*common, "--out", str(tmp_path / "own")]) == 0
+    assert eval_cli.main([*common, "--out", str(tmp_path / "dear"), "--costs", str(dear)]) == 0
+    own = json.loads((tmp_path / "own" / "eval.json").read_text())["groups"]["overall"]["arms"]
+    res = json.loads((tmp_path / "dear" / "eval.json").read_text())
+    arms = res["groups"]["overall"]["arms"]
+    # re-priced: drafting got dearer, so the GBT drafts far less (its upfront probe, paid anyway, still buys a little)
+    assert arms["synthetic-gbt"]["mean_gamma"] < 0.5 * own["synthetic-gbt"]["mean_gamma"]
+    assert arms["synthetic-paper-mlp16"]["mean_gamma"] == own["synthetic-paper-mlp16"]["mean_gamma"]  # tokens/step
+    assert res["groups"]["overall"]["best_fixed"] == "fixed-0"  # the references pay the calibration's prices too
+    assert CostModel.from_dict(res["cost_model"]).draft_ms_per_token == (5.0, 5.0, 5.0)
+    assert f"the calibration `{dear}`" in (tmp_path / "dear" / "eval.md").read_text()
+    capsys.readouterr()

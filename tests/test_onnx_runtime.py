@@ -194,6 +194,31 @@ def test_runtime_imports_neither_sklearn_nor_torch(exported):
 OTHER_COSTS = CostModel.relative(draft_cost=0.3, verify_cost_per_token=0.01)
 
 
+def test_repricing_keeps_the_exports_probe(tmp_path):
+    """A calibration describes a machine (no probe); an upfront export re-priced with it still pays its probe."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    calib = CostModel.load(root / "docs" / "pre_costs.json")
+    assert calib.decision_draft_tokens == 0
+    rng = np.random.default_rng(0)
+    for name, probe in (("smollm2-gbt", 1), ("smollm2-gbt-pre", 0)):
+        path = root / "exported" / f"{name}.onnx"
+        rt = RuntimePolicy(path, cost_model=calib)
+        assert rt.cost_model == replace(calib, decision_draft_tokens=probe)
+        rows = edge_rows(rt.feature_set.names, rng)
+        want = RuntimePolicy(path, cost_model=replace(calib, decision_draft_tokens=probe)).decide_batch(rows)
+        np.testing.assert_array_equal(rt.decide_batch(rows), want)
+        write_onnx(reprice_onnx(onnx.load(path), calib), tmp_path / f"{name}.onnx")  # the file keeps it too
+        in_file = RuntimePolicy(tmp_path / f"{name}.onnx")
+        assert in_file.cost_model.decision_draft_tokens == probe
+        np.testing.assert_array_equal(in_file.decide_batch(rows), want)
+    # the probe really is priced: gamma 0 of the upfront export costs one draft token more than without it
+    up = RuntimePolicy(root / "exported" / "smollm2-gbt.onnx", cost_model=calib).cost_model
+    assert up.step_ms(0, 0) == pytest.approx(calib.step_ms(0, 0) + calib.draft_ms(1, 0))
+
+
 @pytest.mark.parametrize("name", ["mlp", "gbt", "table", "fixed"])
 def test_repricing_at_load_and_in_the_file_match_python(name, fitted, exported, heldout, tmp_path):
     """Re-pricing keeps the acceptance model and changes only the prices, identically in Python, the runtime and ONNX."""

@@ -11,7 +11,13 @@ import sys
 import time
 
 from ..objective import COMPRESSION_NAMES_BY_CODE
-from .common import add_draft_precision_argument, exit_cleanly_on_sigterm, fail, int_at_least
+from .common import (
+    add_draft_precision_argument,
+    add_target_linear_argument,
+    exit_cleanly_on_sigterm,
+    fail,
+    int_at_least,
+)
 
 
 def _positive(text: str) -> float:
@@ -43,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int_at_least(4), default=48)
     p.add_argument("--device", default="cpu")
     add_draft_precision_argument(p)
+    add_target_linear_argument(p)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     exit_cleanly_on_sigterm()
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             seed=args.seed,
             draft_precision=args.draft_precision,
+            target_linear=args.target_linear,
         )
         cost, steps = calibrate(cfg, prompts, models=SMOLLM2_MODELS, progress=progress)
         print(file=sys.stderr)

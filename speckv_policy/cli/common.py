@@ -40,6 +40,21 @@ def add_draft_precision_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The ``--target-linear`` choices (validated again by ``hf.onednn.apply_linear_backend``; tests keep the two equal).
+TARGET_LINEAR_CHOICES = ("default", "onednn")
+
+
+def add_target_linear_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--target-linear`` (default ``default``) to a command that loads the target."""
+    parser.add_argument(
+        "--target-linear",
+        choices=TARGET_LINEAR_CHOICES,
+        default="default",
+        help="the target's float32 linear layers on CPU: torch's own (default) or pre-packed for oneDNN (onednn: "
+        "multi-token verification costs less; docs/benchmarks.md)",
+    )
+
+
 def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
     """argparse type: a float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
 

@@ -12,6 +12,7 @@ import json
 import shlex
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,13 @@ DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 DEFAULT_POLICIES = "exported/smollm2-*.onnx"
 
 
-def load_for_eval(path: str, *, trust_pickle: bool = False) -> tuple[str, Callable[[Any], np.ndarray]]:
-    """(feature set name, batch choose function) of an ONNX export or a joblib-saved policy (if trusted)."""
+def load_for_eval(
+    path: str, *, trust_pickle: bool = False, cost_model: Any = None
+) -> tuple[str, Callable[[Any], np.ndarray]]:
+    """(feature set name, batch choose function) of an ONNX export or a joblib-saved policy (if trusted).
+
+    ``cost_model`` re-prices it (tokens-per-second policies; others decide as they are).
+    """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"policy not found: {path}")
@@ -32,10 +38,14 @@ def load_for_eval(path: str, *, trust_pickle: bool = False) -> tuple[str, Callab
         from ..runtime import RuntimePolicy
 
         rt = RuntimePolicy(p)
+        if cost_model is not None and rt.repriceable:
+            rt.reprice(cost_model)
         return rt.feature_set.name, rt.decide_gated_batch if rt.gated else rt.decide_batch  # type: ignore[union-attr]
-    from ..training import batch_chooser, load_saved_policy
+    from ..training import batch_chooser, load_saved_policy, with_cost_model
 
     pol = load_saved_policy(p, trusted=trust_pickle)
+    if cost_model is not None and pol.objective == "tokens_per_second":
+        pol = with_cost_model(pol, cost_model)
     return pol.feature_set, batch_chooser(pol)
 
 
@@ -66,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         help="history features: each policy's own, replayed over the held-out runs (default), or the profile's "
         "logged ones",
     )
+    ap.add_argument(
+        "--costs",
+        default=None,
+        metavar="JSON",
+        help="price every strategy with this calibration (speckv-calibrate --out) instead of the log's own timings; "
+        "exports are re-priced with it",
+    )
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument(
         "--trust-pickle",
@@ -92,12 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log = read_log(args.log)
         policies = {}
+        if args.costs:
+            cost = replace(CostModel.load(args.costs), decision_draft_tokens=args.decision_draft_tokens)
+        else:
+            cost = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
         for path in paths:
             name = Path(path).stem
             if name in policies:
                 raise ValueError(f"two policies are named {name!r}; rename one file")
-            policies[name] = load_for_eval(path, trust_pickle=args.trust_pickle)
-        cost = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
+            policies[name] = load_for_eval(
+                path, trust_pickle=args.trust_pickle, cost_model=cost if args.costs else None
+            )
         result, es = evaluate_log(
             log,
             policies,
@@ -116,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     result["log"] = args.log
     result["policies"] = {Path(p).stem: p for p in paths}
     result["cost_model"] = cost.to_dict()
+    if args.costs:
+        result["costs_note"] = f"the calibration `{args.costs}` (exports re-priced with it)"
     out = Path(args.out)
     command = "speckv-eval " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     md = markdown(result, command=command.strip(), log=args.log)

@@ -9,7 +9,14 @@ from ..hf.profiler import ProfileConfig, profile
 from ..logs import LogValidationError
 from ..prompts import PromptFileError, read_prompts
 from ..smollm2.models import SMOLLM2_MODELS
-from .common import add_draft_precision_argument, exit_cleanly_on_sigterm, fail, float_in, int_at_least
+from .common import (
+    add_draft_precision_argument,
+    add_target_linear_argument,
+    exit_cleanly_on_sigterm,
+    fail,
+    float_in,
+    int_at_least,
+)
 
 
 def _csv(text: str, cast: Any = str) -> tuple[Any, ...]:
@@ -38,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float_in(0.0, 100.0, low_open=True), default=0.7)
     p.add_argument("--device", default="cpu")
     add_draft_precision_argument(p)
+    add_target_linear_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="profile", help="prefix of run ids")
     p.add_argument("--limit", type=int_at_least(1), help="profile only the first N prompts")
@@ -77,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             tag=args.tag,
             draft_precision=args.draft_precision,
+            target_linear=args.target_linear,
         )
         for d in cfg.decodings:
             if d not in ("greedy", "sampling"):

@@ -405,6 +405,8 @@ def markdown(result: dict[str, Any]) -> str:
     arms = result["arms"]
     ours = [a for a in arms if a.split("-")[0] in OURS]
     precision = f" in {cfg['draft_precision']}" if cfg.get("draft_precision") else ""  # runs before it did not say
+    linear = cfg.get("target_linear", "default")
+    target_linear = f" (float32 linear layers on {linear})" if linear != "default" else ""
     lines = [
         BEGIN,
         "",
@@ -414,7 +416,7 @@ def markdown(result: dict[str, Any]) -> str:
         result["command"],
         "```",
         "",
-        f"Machine: {result['machine']}. Target {cfg['target']}, draft {cfg['draft']}{precision}; {cfg['prompts']} held-out "
+        f"Machine: {result['machine']}. Target {cfg['target']}{target_linear}, draft {cfg['draft']}{precision}; {cfg['prompts']} held-out "
         f"prompts ({cfg['per_task']} per task type), {cfg['max_new_tokens']} new tokens, {cfg['repeats']} "
         f"repeat(s), arms interleaved per prompt; {result['minutes']:.1f} min in all. Figures are medians over "
         "runs of time per output token; ratios are medians of per-run ratios against the same prompt's run of "

@@ -10,6 +10,7 @@ hook was tested on (:mod:`speckv_policy.hf._compat`).
 
 from .hook import MODES, SpeckvCandidateGenerator, SpeckvHandle, StepStats, attach, detect_compression
 from .live_costs import LiveCosts
+from .onednn import use_onednn_linear
 
 __all__ = [
     "attach",
@@ -19,4 +20,5 @@ __all__ = [
     "SpeckvCandidateGenerator",
     "StepStats",
     "MODES",
+    "use_onednn_linear",
 ]

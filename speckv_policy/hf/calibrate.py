@@ -26,6 +26,7 @@ from ..objective import CostModel
 from ..prompts import Prompt, encode_prompt
 from .hook import attach
 from .models import LOCAL_MODELS, ModelSource, draft_precision
+from .onednn import apply_linear_backend
 
 #: Steps timed per gamma and level before a calibration stops (it runs past its budget, up to 4x, to get them).
 MIN_PER_GAMMA = 3
@@ -44,6 +45,7 @@ class CalibrationConfig:
     device: str = "cpu"
     seed: int = 0
     draft_precision: str = "auto"
+    target_linear: str = "default"
 
 
 def _gamma_cycle(gamma_max: int, rng: np.random.Generator) -> Callable[[int], int]:
@@ -112,6 +114,7 @@ def calibrate(
     rows: list[dict[str, Any]] = []
     for comp in cfg.compressions:
         target = models.load_model(cfg.target, comp, cfg.device)
+        apply_linear_backend(target, cfg.target_linear)
         gamma_fn = _gamma_cycle(cfg.gamma_max, rng)
 
         def generate(

@@ -21,6 +21,7 @@ import numpy as np
 from ..logs import logged_units, read_log_metadata
 from ..prompts import Prompt, encode_prompt
 from .models import LOCAL_MODELS, ModelSource, draft_precision
+from .onednn import apply_linear_backend
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ProfileConfig:
     seed: int = 0
     tag: str = "profile"
     draft_precision: str = "auto"
+    target_linear: str = "default"
 
 
 def profile_settings(cfg: ProfileConfig) -> str:
@@ -54,6 +56,8 @@ def profile_settings(cfg: ProfileConfig) -> str:
     for k in ("out", "tag", "compressions", "decodings", "fixed_gammas"):
         d.pop(k)
     d["draft_precision"] = draft_precision(cfg.device, cfg.draft_precision)  # what ran, not "auto"
+    if cfg.target_linear == "default":
+        d.pop("target_linear")  # logs written before the option existed resume unchanged
     return json.dumps(d, sort_keys=True)
 
 
@@ -143,6 +147,7 @@ class UnitProfiler:
         if self._loaded is None or self._loaded[0] != comp:
             self._loaded = None  # free the previous level's target before loading the next
             self._loaded = (comp, self.models.load_model(cfg.target, comp, cfg.device))
+            apply_linear_backend(self._loaded[1], cfg.target_linear)
         target = self._loaded[1]
         unit_seed = zlib.crc32(f"{cfg.seed}/{run}/{p.id}".encode()) % (2**31)
         rng = np.random.default_rng(unit_seed)

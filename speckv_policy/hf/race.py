@@ -24,6 +24,7 @@ from ..prompts import Prompt, encode_prompt
 from .hook import attach
 from .live_costs import LiveCosts
 from .models import LOCAL_MODELS, ModelSource, draft_precision
+from .onednn import apply_linear_backend
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class RaceConfig:
     device: str = "cpu"
     seed: int = 0
     draft_precision: str = "auto"
+    target_linear: str = "default"
 
 
 def run_once(
@@ -204,6 +206,7 @@ def run_race(
     bar = tqdm(total=total, desc="e2e", unit="run", file=sys.stderr, disable=not progress)
     for comp in cfg.compressions:
         target = models.load_model(cfg.target, comp, cfg.device)
+        apply_linear_backend(target, cfg.target_linear)
         for dec in cfg.decodings:
             sampling = dec == "sampling"
             states: dict[str, dict[str, Any]] = {a.name: {} for a in arms}
@@ -249,6 +252,7 @@ def run_race(
             "target": models.model_id(cfg.target),
             "draft": models.model_id(cfg.draft),
             "draft_precision": draft_precision(cfg.device, cfg.draft_precision),
+            "target_linear": cfg.target_linear,
             "prompts": len(prompts),
             "max_new_tokens": cfg.max_new_tokens,
             "repeats": cfg.repeats,

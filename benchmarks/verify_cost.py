@@ -1,0 +1,82 @@
+"""What a verification costs: the target's forward over 1..9 new tokens, torch's linear layers against oneDNN's.
+
+Usage:
+    python benchmarks/verify_cost.py [--target smollm2] [--compressions fp32] [--context 120] [--repeats 10]
+
+A speculative step verifies ``gamma + 1`` tokens in one target forward after
+the cached context. This times exactly that forward (the context's prefill is
+untimed) for 1..9 new tokens, on two copies of the target in one process: as
+loaded (torch's ``nn.Linear``, MKL on x86 CPUs) and with its float32 linear
+layers pre-packed for oneDNN (``speckv_policy.hf.onednn.use_onednn_linear``;
+at INT8 / NF4 only the layers bitsandbytes leaves in float32, e.g. the LM head,
+are converted). Every repeat visits each (tokens, backend) cell once, in a
+shuffled order, so drift hits both backends alike. Prints per compression the
+median ms per forward, its ratio to the one-token forward of the same backend
+(what a longer verification costs extra) and oneDNN's time over the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--compressions", default="fp32")
+    ap.add_argument("--context", type=int, default=120, help="cached context length before the timed forward")
+    ap.add_argument("--max-tokens", type=int, default=9, help="time forwards over 1..N new tokens (default 9)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+    from transformers import DynamicCache
+
+    from speckv_policy.hf.onednn import use_onednn_linear
+    from speckv_policy.smollm2.models import SMOLLM2_MODELS
+
+    rng = np.random.default_rng(args.seed)
+    sizes = list(range(1, args.max_tokens + 1))
+    print(
+        f"target forward over k new tokens after a cached context of {args.context}; median ms of {args.repeats} "
+        f"repeats; torch {torch.__version__}, {torch.get_num_threads()} threads\n"
+    )
+    for comp in [c.strip() for c in args.compressions.split(",") if c.strip()]:
+        models = {"default": SMOLLM2_MODELS.load_model(args.target, comp, "cpu")}
+        models["onednn"] = SMOLLM2_MODELS.load_model(args.target, comp, "cpu")
+        swapped = use_onednn_linear(models["onednn"])
+        vocab = models["default"].config.vocab_size
+        ctx = torch.tensor([rng.integers(100, vocab, size=args.context).tolist()])
+        times: dict[tuple[str, int], list[float]] = {(b, k): [] for b in models for k in sizes}
+        cells = list(times)
+        with torch.inference_mode():
+            for _ in range(args.repeats + 1):  # the first round warms up, untimed
+                for i in rng.permutation(len(cells)):
+                    backend, k = cells[i]
+                    model = models[backend]
+                    cache = model(ctx, past_key_values=DynamicCache(), use_cache=True).past_key_values
+                    new = torch.tensor([rng.integers(100, vocab, size=k).tolist()])
+                    t0 = time.perf_counter()
+                    model(new, past_key_values=cache, use_cache=True)
+                    times[cells[i]].append((time.perf_counter() - t0) * 1000)
+        med = {c: statistics.median(v[1:]) for c, v in times.items()}
+        print(f"### {comp} ({swapped} linear layers converted to oneDNN)\n")
+        print("| new tokens | default ms | x one token | oneDNN ms | x one token | oneDNN / default |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for k in sizes:
+            d, o = med[("default", k)], med[("onednn", k)]
+            print(
+                f"| {k} | {d:.1f} | {d / med[('default', 1)]:.2f} | {o:.1f} | {o / med[('onednn', 1)]:.2f} | "
+                f"{o / d:.2f} |"
+            )
+        print()
+        del models
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

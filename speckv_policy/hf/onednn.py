@@ -1,0 +1,127 @@
+"""oneDNN linear layers for a full-precision model on CPU: verification that costs less than it does through MKL.
+
+A speculative step verifies ``gamma + 1`` tokens in one target forward. On CPU
+that forward goes through ``torch.nn.functional.linear`` -> MKL ``sgemm``, whose
+small-``M`` path is slow on the machines measured here: SmolLM2-135M in fp32
+costs ~41 ms for one token and 59-82 ms for 2-9 (+44-100%, not monotone in the
+count), so a multi-token verification eats most of what speculation saves.
+The same layers with their weights pre-packed for oneDNN (``Tensor.to_mkldnn``)
+cost ~33 ms for one token and 40-47 ms for 2-9
+(``python benchmarks/verify_cost.py``; docs/benchmarks.md, "oneDNN linear layers").
+
+:func:`use_onednn_linear` swaps, in place, every plain ``torch.nn.Linear`` of a
+float32 CPU model for :class:`OneDNNLinear`. It is opt-in and for inference only
+(the packed weights are buffers, not parameters; nothing can be trained). It
+changes the model's numerics slightly (another summation order, ~1e-5 in the
+logits), so a comparison must use the converted model for every arm, the target
+alone included: speculation with the converted target is lossless against the
+converted target's own greedy output (``tests/test_onednn.py``), as with any
+target. Quantized layers (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``,
+subclasses of ``nn.Linear``) and layers in other dtypes or on other devices are
+left alone. Measured on a bf16 draft it was slower (2.7 vs 2.1 ms per token), so
+only float32 layers are converted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["LINEAR_BACKENDS", "OneDNNLinear", "apply_linear_backend", "onednn_available", "use_onednn_linear"]
+
+#: What ``--target-linear`` accepts: torch's own layers, or :func:`use_onednn_linear`.
+LINEAR_BACKENDS = ("default", "onednn")
+
+
+def onednn_available() -> bool:
+    """Whether this torch build can run oneDNN (MKL-DNN) linear layers."""
+    return bool(torch.backends.mkldnn.is_available())
+
+
+class OneDNNLinear(torch.nn.Module):
+    """A float32 ``nn.Linear`` whose weight is pre-packed for oneDNN; inference only.
+
+    Parameters
+    ----------
+    linear : torch.nn.Linear
+        A plain linear layer with a float32 weight on CPU. Its weight (and bias)
+        are copied into oneDNN's layout; the layer itself is not modified.
+
+    Attributes
+    ----------
+    in_features, out_features : int
+        As the original layer's.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        if type(linear) is not torch.nn.Linear:
+            raise TypeError(f"OneDNNLinear converts a plain torch.nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            raise ValueError(f"OneDNNLinear needs a float32 weight on CPU, got {w.dtype} on {w.device}")
+        if not onednn_available():
+            raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        with torch.no_grad():  # plain attributes, not buffers: state_dict() and .to() never see oneDNN tensors
+            self.packed_weight = w.detach().to_mkldnn()
+            self.packed_bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` over the last dimension (any leading shape)."""
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
+        y = torch.nn.functional.linear(rows, self.packed_weight, self.packed_bias).to_dense()
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend=onednn"
+
+
+def use_onednn_linear(model: Any) -> int:
+    """Swap every plain float32 CPU ``nn.Linear`` of ``model`` for :class:`OneDNNLinear`, in place.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Typically a Hugging Face causal LM loaded in float32 on CPU, used for
+        inference only (``generate``). Tied weights (an LM head sharing the
+        embedding matrix) are copied, so the head's weight is held twice.
+
+    Returns
+    -------
+    int
+        How many layers were swapped (0: nothing to do, e.g. a quantized or
+        bf16 model, or a model on CUDA).
+
+    Raises
+    ------
+    RuntimeError
+        When this torch build has no oneDNN.
+    """
+    if not onednn_available():
+        raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if (
+                type(child) is torch.nn.Linear
+                and child.weight.device.type == "cpu"
+                and child.weight.dtype == torch.float32
+            ):
+                swaps.append((parent, name, child))
+    for parent, name, child in swaps:
+        setattr(parent, name, OneDNNLinear(child))
+    return len(swaps)
+
+
+def apply_linear_backend(model: Any, backend: str) -> int:
+    """Run ``model``'s linear layers on ``backend`` (:data:`LINEAR_BACKENDS`); returns how many layers were swapped.
+
+    ``"default"`` leaves the model as loaded (0); ``"onednn"`` is :func:`use_onednn_linear`.
+    """
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear backend {backend!r}; expected one of {', '.join(LINEAR_BACKENDS)}")
+    return use_onednn_linear(model) if backend == "onednn" else 0

@@ -1,0 +1,116 @@
+"""oneDNN linear layers for a float32 target on CPU: same function as nn.Linear, lossless speculation on top."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from speckv_policy.hf import attach
+from speckv_policy.hf.onednn import (
+    LINEAR_BACKENDS,
+    OneDNNLinear,
+    apply_linear_backend,
+    onednn_available,
+    use_onednn_linear,
+)
+from speckv_policy.testing import tiny_llama_pair
+
+from .test_hf_hook import _assisted_vs_draft_sampling, _cycle
+
+pytestmark = [
+    pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN"),
+    pytest.mark.filterwarnings("ignore:.*generation_config.*together.*"),
+]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 24), (1, 7, 24), (2, 3, 4, 24), (0, 24)])
+def test_onednn_linear_computes_what_the_layer_computes(bias, shape):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40, bias=bias)
+    fast = OneDNNLinear(lin)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        expected = lin(x)
+        got = fast(x)
+        got_strided = fast(torch.randn(*shape[:-1], 48)[..., ::2])  # a non-contiguous input is fine too
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got_strided.shape == expected.shape
+    assert (fast.in_features, fast.out_features) == (24, 40) and "onednn" in repr(fast)
+
+
+class _QuantizedLike(torch.nn.Linear):
+    """Stands in for bitsandbytes' layers (subclasses of nn.Linear with their own forward)."""
+
+
+def test_only_plain_float32_cpu_linears_are_swapped():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8),
+        torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 8)),
+        torch.nn.Linear(8, 8).to(torch.bfloat16),
+        _QuantizedLike(8, 8),
+    )
+    assert use_onednn_linear(model) == 2
+    assert isinstance(model[0], OneDNNLinear) and isinstance(model[1][1], OneDNNLinear)
+    assert type(model[2]) is torch.nn.Linear and type(model[3]) is _QuantizedLike
+    assert use_onednn_linear(model) == 0  # nothing left to convert
+    assert apply_linear_backend(model, "default") == 0
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="unknown linear backend 'mkl'; expected one of default, onednn"):
+        apply_linear_backend(torch.nn.Linear(2, 2), "mkl")
+    with pytest.raises(TypeError, match="plain torch.nn.Linear, got _QuantizedLike"):
+        OneDNNLinear(_QuantizedLike(2, 2))
+    with pytest.raises(ValueError, match="float32 weight on CPU, got torch.bfloat16"):
+        OneDNNLinear(torch.nn.Linear(2, 2).to(torch.bfloat16))
+
+
+def test_cli_choices_are_the_backends():
+    from speckv_policy.cli.common import TARGET_LINEAR_CHOICES
+
+    assert TARGET_LINEAR_CHOICES == LINEAR_BACKENDS
+
+
+@pytest.fixture(scope="module")
+def converted_pair():
+    target, draft = tiny_llama_pair(seed=0)
+    reference, _ = tiny_llama_pair(seed=0)
+    assert use_onednn_linear(target) > 0
+    return target, draft, reference
+
+
+def test_converted_target_keeps_its_logits(converted_pair):
+    target, _, reference = converted_pair
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(target(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gammas=st.lists(st.integers(0, 8), min_size=1, max_size=10),
+    mode=st.sampled_from(["upfront", "fixed", "pre"]),
+    prompt=st.lists(st.integers(1, 63), min_size=1, max_size=10),
+    n_new=st.integers(1, 30),
+)
+def test_greedy_output_is_the_converted_targets(converted_pair, gammas, mode, prompt, n_new):
+    target, draft, _ = converted_pair
+    ids = torch.tensor([prompt])
+    ref = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+    kw = {"gamma_fn": _cycle(gammas)} if mode == "fixed" else {"feature_set": "pre" if mode == "pre" else "online"}
+    with attach(target, _cycle(gammas), compression="fp32", mode=mode, max_gamma=8, **kw):
+        out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+
+
+def test_sampling_keeps_the_converted_targets_distribution():
+    target, draft = tiny_llama_pair(vocab_size=12, hidden_size=32, noise=0.3, seed=3, init_range=0.15)
+    use_onednn_linear(target)
+    h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(target, draft, torch.tensor([[1, 2, 3]]), 12, mode="pre")
+    assert max(s.gamma for s in h.stats) >= 1
+    assert p_assisted > 0.001
+    assert p_draft < 1e-6  # the test can tell a wrong distribution apart
