@@ -12,7 +12,9 @@ at INT8 / NF4 only the layers bitsandbytes leaves in float32, e.g. the LM head,
 are converted). Every repeat visits each (tokens, backend) cell once, in a
 shuffled order, so drift hits both backends alike. Prints per compression the
 median ms per forward, its ratio to the one-token forward of the same backend
-(what a longer verification costs extra) and oneDNN's time over the default's.
+(what a longer verification costs extra) and oneDNN's time over the default's,
+and how far the two copies' logits are apart (the largest absolute difference
+over a 9-token forward and how often their argmax agrees).
 """
 
 from __future__ import annotations
@@ -64,7 +66,20 @@ def main(argv: list[str] | None = None) -> int:
                     model(new, past_key_values=cache, use_cache=True)
                     times[cells[i]].append((time.perf_counter() - t0) * 1000)
         med = {c: statistics.median(v[1:]) for c, v in times.items()}
+        with torch.inference_mode():
+            new = torch.tensor([rng.integers(100, vocab, size=args.max_tokens).tolist()])
+            logits = {}
+            for b, model in models.items():
+                cache = model(ctx, past_key_values=DynamicCache(), use_cache=True).past_key_values
+                logits[b] = model(new, past_key_values=cache, use_cache=True).logits[0].float()
+        gap = (logits["default"] - logits["onednn"]).abs().max().item()
+        agree = (logits["default"].argmax(-1) == logits["onednn"].argmax(-1)).float().mean().item()
         print(f"### {comp} ({swapped} linear layers converted to oneDNN)\n")
+        print(
+            f"logits over {args.max_tokens} new tokens: largest absolute difference {gap:.2e} "
+            f"(logit range {logits['default'].min().item():.1f}..{logits['default'].max().item():.1f}); "
+            f"argmax agrees at {agree:.0%} of positions\n"
+        )
         print("| new tokens | default ms | x one token | oneDNN ms | x one token | oneDNN / default |")
         print("|---:|---:|---:|---:|---:|---:|")
         for k in sizes:

@@ -201,11 +201,13 @@ def test_speckv_eval_takes_joblib_policies_and_matches_onnx(synthetic, tmp_path,
     assert not (out / "gamma_histogram.png").exists()
 
 
-def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path):
-    """docs/eval/eval.json must be what `speckv-eval` computes from what ships (point estimates)."""
-    shipped = json.loads((ROOT / "docs" / "eval" / "eval.json").read_text())
+@pytest.mark.parametrize("report, costs", [("eval", None), ("eval_onednn", "docs/onednn_costs.json")])
+def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path, report, costs):
+    """docs/eval*/eval.json must be what `speckv-eval` computes from what ships (point estimates)."""
+    shipped = json.loads((ROOT / "docs" / report / "eval.json").read_text())
     out = tmp_path / "eval"
     policies = [str(ROOT / p) for p in shipped["policies"].values()]
+    priced = ["--costs", str(ROOT / costs)] if costs else []
     assert (
         eval_cli.main(
             [
@@ -218,6 +220,7 @@ def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path):
                 "--bootstrap",
                 "20",
                 "--no-plots",
+                *priced,
             ]
         )
         == 0

@@ -2,24 +2,23 @@
 
 A speculative step verifies ``gamma + 1`` tokens in one target forward. On CPU
 that forward goes through ``torch.nn.functional.linear`` -> MKL ``sgemm``, whose
-small-``M`` path is slow on the machines measured here: SmolLM2-135M in fp32
-costs ~41 ms for one token and 59-82 ms for 2-9 (+44-100%, not monotone in the
+small-``M`` path is slow on the machine measured here: SmolLM2-135M in fp32
+costs ~43 ms for one token and 61-84 ms for 2-9 (+44-97%, not monotone in the
 count), so a multi-token verification eats most of what speculation saves.
 The same layers with their weights pre-packed for oneDNN (``Tensor.to_mkldnn``)
-cost ~33 ms for one token and 40-47 ms for 2-9
-(``python benchmarks/verify_cost.py``; docs/benchmarks.md, "oneDNN linear layers").
+cost ~31 ms for one token and 38-46 ms for 2-9
+(``python benchmarks/verify_cost.py``; docs/onednn.md).
 
 :func:`use_onednn_linear` swaps, in place, every plain ``torch.nn.Linear`` of a
 float32 CPU model for :class:`OneDNNLinear`. It is opt-in and for inference only
-(the packed weights are buffers, not parameters; nothing can be trained). It
-changes the model's numerics slightly (another summation order, ~1e-5 in the
-logits), so a comparison must use the converted model for every arm, the target
+(the packed weights are plain attributes, not parameters: nothing can be trained). It
+changes the model's numerics slightly (another summation order: at most 7.3e-5 in
+SmolLM2's logits), so a comparison must use the converted model for every arm, the target
 alone included: speculation with the converted target is lossless against the
 converted target's own greedy output (``tests/test_onednn.py``), as with any
 target. Quantized layers (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``,
 subclasses of ``nn.Linear``) and layers in other dtypes or on other devices are
-left alone. Measured on a bf16 draft it was slower (2.7 vs 2.1 ms per token), so
-only float32 layers are converted.
+left alone: only float32 layers are converted (the bf16 draft keeps torch's).
 """
 
 from __future__ import annotations
