@@ -120,6 +120,19 @@ def test_fixed_gamma_runs(setup, tmp_path):
     assert set(log.loc[log["run_id"].str.endswith("-g4"), "gamma"]) == {4}
 
 
+def test_profile_with_the_targets_linear_layers_on_onednn(setup, tmp_path):
+    """--target-linear onednn: the profile runs the converted target and records the setting (resume checks it)."""
+    from speckv_policy.logs import read_log_metadata
+
+    d, target, draft = setup
+    out = tmp_path / "onednn.parquet"
+    cfg = _cfg(d, target, draft, out, compressions=("fp32",), decodings=("greedy",), target_linear="onednn")
+    profiler.profile(cfg, read_prompts(d / "prompts.jsonl")[:2], progress=False)
+    log = read_log(out)
+    assert len(log) > 0 and set(log["compression"]) == {"fp32"}
+    assert json.loads(read_log_metadata(out)["profile_settings"])["target_linear"] == "onednn"
+
+
 @pytest.mark.parametrize(
     "line,msg",
     [
@@ -293,6 +306,8 @@ def test_resume_with_other_settings_is_refused(setup, full_run, capsys):
     other = "fp32" if ran == "bf16" else "bf16"
     with pytest.raises(ValueError, match=f"draft_precision: '{ran}' in the log, '{other}' now"):
         profiler.profile(_cfg(d, target, draft, out, draft_precision=other), prompts, progress=False)
+    with pytest.raises(ValueError, match="target_linear: None in the log, 'onednn' now"):
+        profiler.profile(_cfg(d, target, draft, out, target_linear="onednn"), prompts, progress=False)
     assert out.read_bytes() == before
     # the same settings resume (nothing left to do), another level extends the log
     assert profiler.profile(_cfg(d, target, draft, out), prompts, progress=False)["done"] == 0
