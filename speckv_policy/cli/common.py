@@ -51,7 +51,7 @@ def add_target_linear_argument(parser: argparse.ArgumentParser) -> None:
         choices=TARGET_LINEAR_CHOICES,
         default="default",
         help="the target's float32 linear layers on CPU: torch's own (default) or pre-packed for oneDNN (onednn: "
-        "multi-token verification costs less; docs/benchmarks.md)",
+        "multi-token verification costs less; docs/onednn.md)",
     )
 
 

@@ -43,7 +43,8 @@ def markdown(
     lines += [
         f"{'Log `' + log + '`: ' if log else ''}{result['rows']} held-out steps from {result['prompts']} held-out "
         f"prompts (every outcome known up to gamma {result['max_gamma']}). Throughput in {unit} under "
-        f"{result.get('costs_note', 'the fitted cost model')}; CIs: paired bootstrap over prompts, {result['n_resamples']} resamples, 95%; p: two-sided, ratio = 1. "
+        f"{result.get('costs_note', 'the fitted cost model')}; CIs: paired bootstrap over prompts, "
+        f"{result['n_resamples']} resamples, 95%; p: two-sided, ratio = 1. "
         + _history_note(result.get("history", "logged")),
         "",
         f"## Overall (best fixed gamma in hindsight: {best.split('-')[1]})",
