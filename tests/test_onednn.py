@@ -58,6 +58,8 @@ def test_only_plain_float32_cpu_linears_are_swapped():
     assert type(model[2]) is torch.nn.Linear and type(model[3]) is _QuantizedLike
     assert use_onednn_linear(model) == 0  # nothing left to convert
     assert apply_linear_backend(model, "default") == 0
+    with pytest.warns(UserWarning, match="no float32 nn.Linear on CPU to convert"):
+        assert apply_linear_backend(model, "onednn") == 0
 
 
 def test_clear_errors():

@@ -23,6 +23,7 @@ left alone: only float32 layers are converted (the bf16 draft keeps torch's).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -119,8 +120,17 @@ def use_onednn_linear(model: Any) -> int:
 def apply_linear_backend(model: Any, backend: str) -> int:
     """Run ``model``'s linear layers on ``backend`` (:data:`LINEAR_BACKENDS`); returns how many layers were swapped.
 
-    ``"default"`` leaves the model as loaded (0); ``"onednn"`` is :func:`use_onednn_linear`.
+    ``"default"`` leaves the model as loaded (0); ``"onednn"`` is :func:`use_onednn_linear`,
+    with a warning when it finds nothing to convert (a model on CUDA, or in bf16).
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {backend!r}; expected one of {', '.join(LINEAR_BACKENDS)}")
-    return use_onednn_linear(model) if backend == "onednn" else 0
+    if backend == "default":
+        return 0
+    swapped = use_onednn_linear(model)
+    if swapped == 0:
+        warnings.warn(
+            "linear backend 'onednn': the model has no float32 nn.Linear on CPU to convert; it runs as loaded",
+            stacklevel=2,
+        )
+    return swapped
