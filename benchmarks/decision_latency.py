@@ -56,6 +56,16 @@ def _engines(path: Path) -> list[tuple[str, object]]:
     return out
 
 
+def _target(target_linear: str):
+    """SmolLM2-135M in fp32, its linear layers on ``target_linear`` (as the race loads it)."""
+    from speckv_policy.hf.onednn import apply_linear_backend
+    from speckv_policy.smollm2.models import load_model
+
+    target = load_model("smollm2", "fp32")
+    apply_linear_backend(target, target_linear)
+    return target
+
+
 def _in_generation(exported: str, pattern: str, report, target_linear: str = "default") -> None:
     """Decisions timed by the hook itself, between real SmolLM2-135M forward passes."""
     import warnings
@@ -69,10 +79,7 @@ def _in_generation(exported: str, pattern: str, report, target_linear: str = "de
     except ModuleNotFoundError as exc:
         print(f"(in-generation timing skipped: {exc})")
         return
-    target = load_model("smollm2", "fp32")
-    from speckv_policy.hf.onednn import apply_linear_backend
-
-    apply_linear_backend(target, target_linear)
+    target = _target(target_linear)
     draft_dir = Path("datasets/smollm2/draft")
     from speckv_policy.hf.models import draft_precision
 
@@ -144,17 +151,12 @@ def _after_forward(exported: str, pattern: str, report, target_linear: str = "de
 
     import torch
 
-    from speckv_policy.smollm2.models import load_model
-
     warnings.filterwarnings("ignore")
     try:
-        target = load_model("smollm2", "fp32")
+        target = _target(target_linear)
     except ModuleNotFoundError as exc:
         print(f"(after-forward timing skipped: {exc})")
         return
-    from speckv_policy.hf.onednn import apply_linear_backend
-
-    apply_linear_backend(target, target_linear)
     ids = torch.randint(100, 5000, (1, 60), generator=torch.Generator().manual_seed(0))
     w = np.random.default_rng(0).random((7, 32)).astype(np.float32)
     calls = {}

@@ -534,14 +534,6 @@ def _check_runs(model: onnx.ModelProto, n_features: int) -> None:
         raise ValueError(f"the exported model does not run in onnxruntime ({exc}); nothing was written") from None
 
 
-def _export_probe(meta: dict[str, str], cost_model: CostModel) -> int:
-    """Draft tokens the export's mode pays before deciding (its recorded cost model's), else ``cost_model``'s."""
-    recorded = meta.get("speckv.cost_model")
-    if not recorded:
-        return cost_model.decision_draft_tokens
-    return CostModel.from_dict(json.loads(recorded)).decision_draft_tokens
-
-
 def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelProto:
     """A copy of an export that decides under ``cost_model``, with the same acceptance model.
 
@@ -598,7 +590,8 @@ def reprice_onnx(model: onnx.ModelProto, cost_model: CostModel) -> onnx.ModelPro
             g, GATE_OUTPUT_NAMES[1], fs, candidates, "tokens_per_second", cost_model, INPUT_NAME, GATE_OUTPUT_NAMES[0]
         )
     else:
-        head_cost = replace(cost_model, decision_draft_tokens=_export_probe(meta, cost_model))
+        recorded = meta.get("speckv.cost_model")
+        head_cost = cost_model.priced_like(CostModel.from_dict(json.loads(recorded)) if recorded else None)
     _decision(g, "expected_tokens", fs, candidates, "tokens_per_second", head_cost)
     graph = helper.make_graph(
         kept + g.nodes,

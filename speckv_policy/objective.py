@@ -19,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -341,6 +341,15 @@ class CostModel:
         """Step times, shape (3, G): row = compression code, column = candidate."""
         g = np.asarray(candidates, dtype=np.float64)[None, :]
         return self.step_ms(g, np.arange(N_COMPRESSION_CODES)[:, None])
+
+    def priced_like(self, own: CostModel | None) -> CostModel:
+        """These times with ``own``'s ``decision_draft_tokens`` (``self`` if ``own`` is None).
+
+        A calibration describes a machine, not a decision mode: re-pricing a
+        policy or export takes the calibration's times and keeps the draft
+        tokens its mode pays before deciding (the upfront probe).
+        """
+        return self if own is None else replace(self, decision_draft_tokens=own.decision_draft_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (stored in exported models)."""

@@ -241,8 +241,7 @@ class RuntimePolicy:
             self._gate_times = self._times_table(replace(cm, decision_draft_tokens=0).time_table(self.candidates))
             cm = head
         else:
-            if self.cost_model is not None:  # the probe is the export's decision mode, not the machine's: keep it
-                cm = replace(cm, decision_draft_tokens=self.cost_model.decision_draft_tokens)
+            cm = cm.priced_like(self.cost_model)  # the probe is the export's decision mode, not the machine's
             self.set_step_times(cm.time_table(self.candidates), unit=cm.unit)
         self.cost_model = cm
         self.repriced = True

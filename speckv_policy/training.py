@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Any
 
 import joblib
@@ -124,9 +123,7 @@ def with_cost_model(policy: GammaPolicy, cost_model: CostModel) -> GammaPolicy:
     from sklearn.utils.validation import check_is_fitted
 
     check_is_fitted(policy)
-    own = getattr(policy, "cost_model_", None)
-    if own is not None:
-        cost_model = replace(cost_model, decision_draft_tokens=own.decision_draft_tokens)
+    cost_model = cost_model.priced_like(getattr(policy, "cost_model_", None))
     out = copy.deepcopy(policy)
     out.cost_model = cost_model
     out.cost_model_ = cost_model
