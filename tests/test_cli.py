@@ -317,7 +317,10 @@ def test_speckv_eval_prices_everything_with_a_calibration(tmp_path, capsys):
     capsys.readouterr()
     # a bad calibration is named, and nothing is written
     (tmp_path / "bad.json").write_text('{"draft_ms_per_token": [1, 2]}')
-    for bad, msg in ((tmp_path / "none.json", "cost model file not found"), (tmp_path / "bad.json", "not a cost model")):
+    for bad, msg in (
+        (tmp_path / "none.json", "cost model file not found"),
+        (tmp_path / "bad.json", "not a cost model"),
+    ):
         assert eval_cli.main([*common, "--out", str(tmp_path / "never"), "--costs", str(bad)]) == 2
         err = capsys.readouterr().err
         assert msg in err and str(bad) in err
