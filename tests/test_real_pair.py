@@ -128,6 +128,32 @@ def test_real_pair_default_int8_equals_transformers_own_assisted_decoding(draft,
             assert torch.equal(ours, own), (g, pid)
 
 
+def test_int8_target_does_not_log_on_every_matmul(caplog, monkeypatch):
+    """bitsandbytes warns "inputs will be cast ... to float16" on every INT8 matmul on CPU (210 records per SmolLM2
+    forward, ~7% of a step written to stderr): load_model drops that one record and nothing else."""
+    import logging
+
+    from speckv_policy.hf import models as hf_models
+    from speckv_policy.smollm2.models import load_model
+
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    monkeypatch.setattr(logger, "filters", [])  # as in a fresh process: no filter yet
+    target = load_model("smollm2", "int8")
+    assert not hf_models.quiet_int8_cast_log()  # load_model added it; a second call adds nothing
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes"):
+        with torch.inference_mode():
+            target(torch.tensor([[1, 2, 3, 4]]))
+        logger.warning("MatMul8bitLt: something else")
+    messages = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert messages == ["MatMul8bitLt: something else"]
+    monkeypatch.setattr(logger, "filters", [])
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes"):
+        with torch.inference_mode():
+            target(torch.tensor([[1, 2, 3, 4]]))
+    assert any("cast from torch.float32" in r.getMessage() for r in caplog.records)  # without it: one per call
+
+
 def test_missing_package_names_it(monkeypatch):
     import importlib.util
 

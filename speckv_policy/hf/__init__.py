@@ -10,6 +10,7 @@ hook was tested on (:mod:`speckv_policy.hf._compat`).
 
 from .hook import MODES, SpeckvCandidateGenerator, SpeckvHandle, StepStats, attach, detect_compression
 from .live_costs import LiveCosts
+from .models import quiet_int8_cast_log
 from .onednn import use_onednn_linear
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "StepStats",
     "MODES",
     "use_onednn_linear",
+    "quiet_int8_cast_log",
 ]

@@ -9,6 +9,7 @@ profiler and the race need, so a testbed can add its own model names (see
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -28,6 +29,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "model_id",
+    "quiet_int8_cast_log",
 ]
 
 #: Compression names :func:`load_model` understands.
@@ -103,6 +105,43 @@ def load_tokenizer(path: str | os.PathLike[str], **from_pretrained: Any) -> Any:
         return None
 
 
+#: The logger bitsandbytes' INT8 matmul writes to, and the start of the record it writes on every call on CPU.
+_BNB_MATMUL_LOGGER = "bitsandbytes.autograd._functions"
+_INT8_CAST_RECORD = "MatMul8bitLt: inputs will be cast from"
+
+
+class _DropInt8CastRecord(logging.Filter):
+    """Drops bitsandbytes' per-call "inputs will be cast ... to float16" record; passes every other one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(_INT8_CAST_RECORD))
+
+
+def quiet_int8_cast_log() -> bool:
+    """Stop bitsandbytes logging a warning on every INT8 matmul whose input is not fp16 (every CPU call).
+
+    bitsandbytes' ``MatMul8bitLt`` casts a float32 input to float16 before it
+    quantizes it and says so with ``logger.warning`` on every call: on CPU that
+    is one record per INT8 layer per forward (210 for SmolLM2-135M), which with
+    logging's default stderr handler costs ~2-3 ms per forward, ~7% of an INT8
+    target step on the 2-core machine measured here (docs/onednn.md), and
+    buries everything else on stderr. This adds a filter for that one record
+    to bitsandbytes' logger (nothing else is dropped; the cast itself is
+    unchanged). :func:`load_model` calls it when it loads an INT8 model; call
+    it yourself for an INT8 model you load otherwise.
+
+    Returns
+    -------
+    bool
+        Whether the filter was added now (``False``: it was already there).
+    """
+    logger = logging.getLogger(_BNB_MATMUL_LOGGER)
+    if any(isinstance(f, _DropInt8CastRecord) for f in logger.filters):
+        return False
+    logger.addFilter(_DropInt8CastRecord())
+    return True
+
+
 def load_model(
     path: str | os.PathLike[str],
     compression: str = "fp32",
@@ -115,8 +154,10 @@ def load_model(
     INT8 and NF4 go through bitsandbytes (CPU or CUDA); full precision casts
     to the named dtype. ``llm_int8_threshold`` overrides bitsandbytes' outlier
     threshold (6.0); a huge value switches outlier decomposition off, which
-    makes INT8 verification batch-invariant (see docs/hf_hook.md). Extra
-    keywords go to ``from_pretrained`` (e.g. ``gguf_file``).
+    makes INT8 verification batch-invariant (see docs/hf_hook.md). Loading an
+    INT8 model silences bitsandbytes' per-call cast warning
+    (:func:`quiet_int8_cast_log`). Extra keywords go to ``from_pretrained``
+    (e.g. ``gguf_file``).
 
     Raises
     ------
@@ -145,6 +186,8 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(
                 str(path), quantization_config=q, device_map=device, dtype=compute, **from_pretrained
             )
+        if compression == "int8":
+            quiet_int8_cast_log()
     else:
         raise ValueError(f"unknown compression {compression!r}; expected {', '.join(COMPRESSIONS_LOADABLE)}")
     return model.eval()
