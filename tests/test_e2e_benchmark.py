@@ -239,3 +239,108 @@ def test_conditional_acceptance_from_a_log():
     log = read_log(ROOT / "datasets" / "smollm2" / "steps.parquet")
     p = race.conditional_acceptance(log, "fp32")
     assert p.shape == (8,) and ((p > 0) & (p < 1)).all()
+
+
+def test_pooled_ratios_are_total_tokens_over_total_time_not_the_median_of_ratios():
+    """Two prompts: gbt is 2x the target on the first and 0.5x on the second, but the second takes longer, so pooled
+    over the runs (the offline evaluator's statistic) it is slower (20 tokens in 5 s against 20 in 4 s) while the
+    median of the per-prompt ratios says 1.25x."""
+
+    def run(prompt, arm, tokens, seconds):
+        return {
+            "tokens": tokens,
+            "seconds": seconds,
+            "steps": 1,
+            "decision_s": 0.0,
+            "fallbacks": 0,
+            "arm": arm,
+            "prompt_id": prompt,
+            "task_type": "code",
+            "compression": "fp32",
+            "decoding": "greedy",
+            "repeat": 0,
+        }
+
+    runs = [
+        run("p1", "target", 10, 2.0),
+        run("p2", "target", 10, 2.0),
+        run("p1", "gbt-upfront", 10, 1.0),
+        run("p2", "gbt-upfront", 10, 4.0),
+        run("p1", "fixed-2", 10, 1.5),
+        run("p2", "fixed-2", 10, 3.0),
+        run("p1", "fixed-4", 10, 3.0),
+        run("p2", "fixed-4", 10, 1.5),
+    ]
+    cell = race.summarize_runs(runs, ["target", "gbt-upfront", "fixed-2", "fixed-4"])["fp32/greedy/all"]
+    assert cell["arms"]["gbt-upfront"]["vs_target"] == pytest.approx(1.25)  # median of 2.0 and 0.5
+    pooled = cell["pooled"]
+    gbt = pooled["arms"]["gbt-upfront"]
+    assert gbt["tokens_per_second"] == pytest.approx(4.0)
+    assert gbt["vs_target"] == pytest.approx(0.8)  # 4 tok/s against 5
+    # resamples of two prompts: p1 twice (2x), p2 twice (0.5x), one of each (0.8x)
+    assert gbt["vs_target_ci"] == pytest.approx([0.5, 2.0])
+    # fixed-2 and fixed-4 both pool to 20 tokens in 4.5 s: the best fixed is one of them, at 4.44 tok/s
+    assert pooled["best_fixed"] in ("fixed-2", "fixed-4")
+    assert gbt["vs_best_fixed"] == pytest.approx(4.0 / (20 / 4.5))
+    # the CI's reference is each resample's best fixed gamma: p1 twice -> fixed-2 (10 / 6.67 = 1.5), p2 twice ->
+    # fixed-4 (2.5 / 6.67 = 0.375; against a reference fixed on the full sample it would read 0.75 or 1.5)
+    assert gbt["vs_best_fixed_ci"] == pytest.approx([0.375, 1.5])
+    assert "best_peer" in pooled and pooled["best_peer"] is None and "vs_best_peer" not in gbt
+    result = {
+        "config": {
+            "target": "t",
+            "draft": "d",
+            "prompts": 2,
+            "per_task": 1,
+            "max_new_tokens": 10,
+            "repeats": 1,
+            "compressions": ["fp32"],
+        },
+        "arms": ["target", "gbt-upfront", "fixed-2", "fixed-4"],
+        "summary": race.summarize_runs(runs, ["target", "gbt-upfront", "fixed-2", "fixed-4"]),
+        "machine": "m",
+        "minutes": 0.1,
+        "command": "c",
+        "mismatches": [],
+        "plot": "p.png",
+    }
+    result["goals"] = race.goals(result)
+    assert any("pooled over the runs, best of ours (gbt-upfront) vs target alone: 0.80x" in g for g in result["goals"])
+    text = race.markdown(result)
+    assert "Pooled over the runs (total tokens / total time" in text
+    assert "| **gbt-upfront** | 4.00 | 0.80 [" in text
+
+
+def test_online_offline_comparison_on_the_shipped_race():
+    """benchmarks/online_offline.py sets a shipped race beside the offline evaluator on the same prompts."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "online_offline.py"),
+            "--pairs",
+            "exported/smollm2-gbt-pre.onnx=gbt-pre-repriced",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [
+        line.split("|")[1:-1]
+        for line in out.stdout.splitlines()
+        if line.startswith("| int8/") or line.startswith("| nf4/")
+    ]
+    assert [r[0].strip() for r in rows] == ["int8/greedy", "nf4/greedy"]
+    saved = json.loads((ROOT / "docs" / "onednn_quant_rerun.json").read_text())
+    summary = race.summarize_runs(saved["runs"], saved["arms"])
+    for r in rows:
+        block, arm, n = r[0].strip(), r[1].strip(), int(r[2])
+        assert arm == "gbt-pre-repriced" and n == 20
+        off_pooled, off_median, on_pooled, on_median, corr = (float(x) for x in r[3:])
+        # the online median is the race's own per-prompt statistic against fixed gamma 2 (the mean of 1 repeat each)
+        cell = summary[f"{block}/all"]
+        assert cell["best_fixed"] == "fixed-2"
+        assert on_median == pytest.approx(cell["arms"]["gbt-pre-repriced"]["vs_best_fixed"], abs=1e-3)
+        assert on_pooled == pytest.approx(cell["pooled"]["arms"]["gbt-pre-repriced"]["vs_best_fixed"], abs=1e-3)
+        assert 0.5 < off_pooled < 2 and 0.5 < off_median < 2 and -1 <= corr <= 1

@@ -313,37 +313,26 @@ def group_masks(rows: pd.DataFrame) -> dict[str, np.ndarray]:
     return masks
 
 
-def evaluate(
+def priced_arms(
     eval_set: EvalSet,
     policies: Mapping[str, tuple[str, ChooseFn]],
     *,
     policy_cost: CostModel,
     reference_cost: CostModel | None = None,
-    n_resamples: int = 10_000,
-    seed: int = 0,
     history: str = "policy",
-) -> dict[str, Any]:
-    """Evaluate ``policies`` (name -> (feature set, choose function)) on ``eval_set``.
+) -> tuple[list[Arm], dict[str, np.ndarray]]:
+    """Every step's tokens and modelled time for the references (oracle, fixed gammas) and each policy.
 
-    ``policy_cost`` prices the policies' choices (usually with
-    ``decision_draft_tokens=1``: a policy that reads the first draft token pays
-    it even when it then chooses 0), except policies on a feature set decided
-    before drafting (:data:`DECIDED_BEFORE_DRAFTING`), which pay no probe;
-    ``reference_cost`` prices the oracle and fixed gammas (default:
-    ``policy_cost`` with ``decision_draft_tokens=0``). ``history`` says where a
-    policy's history features come from (:data:`HISTORIES`, :func:`policy_choices`):
-    by default the policy's own choices, replayed over the held-out runs.
+    The pricing :func:`evaluate` summarises (see there for ``policy_cost``,
+    ``reference_cost`` and ``history``): upfront policies pay the probe,
+    ``pre`` policies none, gated ones where their gate opened.
 
     Returns
     -------
-    dict
-        ``groups``: group -> :func:`summarize` result; ``bootstrap``: group ->
-        :func:`paired_bootstrap` result for ``overall``, each compression level
-        and each task type; ``gamma_histogram``: policy -> compression -> counts
-        of gamma 0..max; ``gates``: gated policy -> ``overall`` / compression ->
-        fractions of steps whose gate opened (``open``) and that then chose 0
-        after paying the probe (``open_then_zero``); plus ``rows``, ``prompts``,
-        ``max_gamma``, ``history``.
+    arms : list of Arm
+        The references, then one per policy, aligned with ``eval_set.rows``.
+    gates : dict of str to numpy.ndarray
+        Per gated policy, where its gate opened.
     """
     if history not in HISTORIES:
         raise ValueError(f"history must be one of {', '.join(HISTORIES)}, got {history!r}")
@@ -379,6 +368,47 @@ def evaluate(
         # a policy on the 'pre' features decides before any draft token exists: it never pays a probe
         cost = replace(policy_cost, decision_draft_tokens=0) if fs in DECIDED_BEFORE_DRAFTING else policy_cost
         arms.append(Arm(name, *step_outcomes(g, rows, cost), g, kind="policy"))
+    return arms, gates
+
+
+def evaluate(
+    eval_set: EvalSet,
+    policies: Mapping[str, tuple[str, ChooseFn]],
+    *,
+    policy_cost: CostModel,
+    reference_cost: CostModel | None = None,
+    n_resamples: int = 10_000,
+    seed: int = 0,
+    history: str = "policy",
+) -> dict[str, Any]:
+    """Evaluate ``policies`` (name -> (feature set, choose function)) on ``eval_set``.
+
+    ``policy_cost`` prices the policies' choices (usually with
+    ``decision_draft_tokens=1``: a policy that reads the first draft token pays
+    it even when it then chooses 0), except policies on a feature set decided
+    before drafting (:data:`DECIDED_BEFORE_DRAFTING`), which pay no probe;
+    ``reference_cost`` prices the oracle and fixed gammas (default:
+    ``policy_cost`` with ``decision_draft_tokens=0``). ``history`` says where a
+    policy's history features come from (:data:`HISTORIES`, :func:`policy_choices`):
+    by default the policy's own choices, replayed over the held-out runs.
+
+    Returns
+    -------
+    dict
+        ``groups``: group -> :func:`summarize` result; ``bootstrap``: group ->
+        :func:`paired_bootstrap` result for ``overall``, each compression level
+        and each task type; ``gamma_histogram``: policy -> compression -> counts
+        of gamma 0..max; ``gates``: gated policy -> ``overall`` / compression ->
+        fractions of steps whose gate opened (``open``) and that then chose 0
+        after paying the probe (``open_then_zero``); plus ``rows``, ``prompts``,
+        ``max_gamma``, ``history``.
+    """
+    if history not in HISTORIES:
+        raise ValueError(f"history must be one of {', '.join(HISTORIES)}, got {history!r}")
+    rows = eval_set.rows
+    arms, gates = priced_arms(
+        eval_set, policies, policy_cost=policy_cost, reference_cost=reference_cost, history=history
+    )
     masks = group_masks(rows)
     unit = policy_cost.unit
     result: dict[str, Any] = {

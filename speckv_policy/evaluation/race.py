@@ -344,8 +344,54 @@ def _ratio_and_ci(ratios: np.ndarray | None, rng: np.random.Generator) -> tuple[
     return med, np.quantile(boot, [0.025, 0.975]).tolist()
 
 
+def _pooled(by: dict[tuple, dict[str, Any]], pairs: list[tuple], arms: list[str]) -> dict[str, Any]:
+    """Tokens per second pooled over the runs (total tokens / total time) and paired ratios with bootstrap CIs.
+
+    The statistic ``speckv-eval`` reports offline (:func:`~speckv_policy.evaluation.offline.paired_bootstrap`):
+    every resample draws the runs (prompt, repeat) with replacement, the same draw for every arm; ``vs_best_fixed``
+    and ``vs_best_peer`` compare with the best fixed gamma / peer rule of the full sample for the ratio and of each
+    resample for its CI (the reference is never fixed in the arm's favour). Only arms with a run on every pair.
+    """
+    have = [a for a in arms if all(p + (a,) in by for p in pairs)]
+    if "target" not in have or len(pairs) < 1:
+        return {}
+    tok = np.array([[float(by[p + (a,)]["tokens"]) for a in have] for p in pairs])
+    sec = np.array([[float(by[p + (a,)]["seconds"]) for a in have] for p in pairs])
+    full = tok.sum(0) / sec.sum(0)
+    rng = np.random.default_rng(0)
+    draws = rng.integers(0, len(pairs), size=(RACE_BOOTSTRAP, len(pairs)))
+    weights = np.zeros((RACE_BOOTSTRAP, len(pairs)))
+    np.add.at(weights, (np.repeat(np.arange(RACE_BOOTSTRAP), len(pairs)), draws.ravel()), 1.0)
+    boot = (weights @ tok) / (weights @ sec)  # (B, arms)
+    col = {a: i for i, a in enumerate(have)}
+    fixed = [a for a in have if a.startswith("fixed-")]
+    peers = [a for a in have if a in PEER_RULES]
+    best_fixed = max(fixed, key=lambda a: full[col[a]]) if fixed else None
+    best_peer = max(peers, key=lambda a: full[col[a]]) if peers else None
+    refs: dict[str, tuple[float, np.ndarray] | None] = {
+        "vs_target": (full[col["target"]], boot[:, col["target"]]),
+        "vs_best_fixed": (full[col[best_fixed]], boot[:, [col[a] for a in fixed]].max(1)) if best_fixed else None,
+        "vs_best_peer": (full[col[best_peer]], boot[:, [col[a] for a in peers]].max(1)) if best_peer else None,
+    }
+    out: dict[str, Any] = {"best_fixed": best_fixed, "best_peer": best_peer, "arms": {}}
+    for a in have:
+        entry: dict[str, Any] = {"tokens_per_second": float(full[col[a]])}
+        for key, ref in refs.items():
+            if ref is None:
+                continue
+            r = boot[:, col[a]] / ref[1]
+            entry[key] = float(full[col[a]] / ref[0])
+            entry[key + "_ci"] = np.quantile(r, [0.025, 0.975]).tolist() if len(pairs) >= 2 else None
+        out["arms"][a] = entry
+    return out
+
+
 def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
-    """Medians of ms per output token and of paired ratios, per (compression, decoding[, task])."""
+    """Medians of ms per output token and of paired ratios, per (compression, decoding[, task]).
+
+    Each cell also carries ``pooled`` (:func:`_pooled`): tokens per second over all of its runs and their ratios,
+    the statistic the offline evaluator reports.
+    """
     cells: dict[tuple, dict[str, Any]] = {}
     keys = sorted({(r["compression"], r["decoding"]) for r in runs})
     tasks = sorted({r["task_type"] for r in runs})
@@ -386,6 +432,7 @@ def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any
                     entry[key], entry[key + "_ci"] = _ratio_and_ci(_paired_ratios(by, pairs, med, a, ref), rng)
                 entry["decision_share"] = dec_s / tot_s if tot_s > 0 else 0.0
                 cell["arms"][a] = entry
+            cell["pooled"] = _pooled(by, pairs, [a for a in arms if a in med])
             cells[(comp, dec, task or "all")] = cell
     return {f"{c}/{d}/{t}": v for (c, d, t), v in cells.items()}
 
@@ -459,6 +506,27 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_fmt(v['vs_hf_default'])} | {share} |"
             )
         lines.append("")
+        pooled = cell.get("pooled") or {}
+        if pooled.get("arms"):
+            pbf, pbp = pooled.get("best_fixed"), pooled.get("best_peer")
+            lines += [
+                f"Pooled over the runs (total tokens / total time, the statistic `speckv-eval` reports; best fixed "
+                f"gamma {pbf.split('-')[1] if pbf else '-'}, best peer rule {pbp or '-'}, each re-chosen in every "
+                "resample for the CIs):",
+                "",
+                "| arm | tokens/s | x target [95% CI] | x best fixed [95% CI] | x best peer [95% CI] |",
+                "|---|---:|---|---|---|",
+            ]
+            for a in arms:
+                v = pooled["arms"].get(a)
+                if v is None:
+                    continue
+                name = f"**{a}**" if a in ours else a
+                lines.append(
+                    f"| {name} | {v['tokens_per_second']:.2f} | {_fmt_ci(v, 'vs_target')} | "
+                    f"{_fmt_ci(v, 'vs_best_fixed')} | {_fmt_ci(v, 'vs_best_peer')} |"
+                )
+            lines.append("")
     tasks = sorted({k.split("/")[2] for k in result["summary"]} - {"all"})
     if tasks:
         lines += [
@@ -528,6 +596,24 @@ def goals(result: dict[str, Any]) -> list[str]:
                         f"{comp} greedy {t}: {best} vs target alone {r:.2f}x (goal >= {goal:.2f}x) "
                         + ("MET" if r >= goal else "MISSED")
                         + f"; slowest of ours here: {worst} {cell_t['arms'][worst]['vs_target']:.2f}x"
+                    )
+        pooled = cell.get("pooled") or {}
+        pooled_ours = [a for a in ours if a in pooled.get("arms", {})]
+        if pooled_ours:
+            pbest = max(pooled_ours, key=lambda a: pooled["arms"][a]["tokens_per_second"])
+            pv = pooled["arms"][pbest]
+            for label, key, goal in (
+                ("target alone", "vs_target", 1.15 if comp in ("fp32", "int8") else 1.00),
+                ("best fixed gamma", "vs_best_fixed", 1.10),
+                (f"the best peer rule ({pooled.get('best_peer')})", "vs_best_peer", 1.05),
+            ):
+                if pv.get(key) is not None:
+                    ci = pv.get(key + "_ci")
+                    out.append(
+                        f"{comp} greedy, pooled over the runs, best of ours ({pbest}) vs {label}: {pv[key]:.2f}x"
+                        + (f" [95% CI {ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+                        + f" (goal >= {goal:.2f}x) "
+                        + ("MET" if pv[key] >= goal else "MISSED")
                     )
         shares = [cell["arms"][a]["decision_share"] for a in ours]
         out.append(
