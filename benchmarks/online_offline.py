@@ -9,7 +9,9 @@ For every block (compression, decoding) of a saved ``benchmarks/e2e.py`` race an
 way ``speckv-eval --costs`` does) and sets them beside the race's wall-clock runs, each against the same fixed gamma.
 Per policy it prints the ratio pooled over the prompts (total tokens / total time, what ``speckv-eval`` reports), the
 median of the per-prompt ratios (what the race's tables report) and how well the per-prompt ratios of the two agree
-(Pearson correlation over the prompts). Offline figures are model-priced; online ones are measured.
+(Pearson correlation over the prompts). Offline figures are model-priced; online ones are measured. For a race that
+saved its steps it then prints, per arm through the hook, where the wall clock went against what the cost model
+prices for the same steps (:func:`accounting`).
 """
 
 from __future__ import annotations
@@ -94,7 +96,99 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {comp}/{dec} | {arm} | {len(off_r)} | {off_pooled:.3f} | {np.median(off_r):.3f} | "
                 f"{on_pooled:.3f} | {np.median(on_r):.3f} | {corr:.2f} |"
             )
+    choices(race, arms, rows, pairs)
+    accounting(race, cost)
     return 0
+
+
+def choices(race: dict, arms: dict, rows: object, pairs: dict) -> None:
+    """Per policy arm and block: what it chose offline (replayed on its own history) and online, on the race's prompts.
+
+    Online figures need a race that saved its steps; a run's first step (the prefill) is left out.
+    """
+    import numpy as np
+
+    runs = [r for r in race["runs"] if r.get("step_gamma")]
+    if not runs:
+        return
+    print("\nWhat the policies chose on the race's prompts, offline against online (steps after each run's first)\n")
+    print(
+        "| block | policy | offline mean gamma | online mean gamma | offline gamma-0 share | online gamma-0 share "
+        "| offline tokens/step | online tokens/step |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for comp, dec in sorted({(r["compression"], r["decoding"]) for r in runs}):
+        ids = sorted({r["prompt_id"] for r in runs if (r["compression"], r["decoding"]) == (comp, dec)})
+        m = (
+            (rows["compression"] == comp).to_numpy()  # type: ignore[index]
+            & (rows["decoding"] == dec).to_numpy()  # type: ignore[index]
+            & rows["prompt_id"].isin(ids).to_numpy()  # type: ignore[index]
+        )
+        for arm in pairs.values():
+            sel = [r for r in runs if (r["compression"], r["decoding"], r["arm"]) == (comp, dec, arm)]
+            if not sel or not m.any():
+                continue
+            g_on = np.concatenate([r["step_gamma"][1:] for r in sel])
+            acc_on = np.concatenate([r["step_accepted"][1:] for r in sel])
+            g_off, tok_off = arms[arm].chosen[m], arms[arm].tokens[m]
+            print(
+                f"| {comp}/{dec} | {arm} | {g_off.mean():.2f} | {g_on.mean():.2f} | {np.mean(g_off == 0):.2f} | "
+                f"{np.mean(g_on == 0):.2f} | {tok_off.mean():.2f} | {1 + acc_on.mean():.2f} |"
+            )
+
+
+def accounting(race: dict, cost: object) -> None:
+    """Where each hook arm's wall clock went, against what the cost model prices for the same steps.
+
+    Needs a race that saved its steps (``step_*`` lists in every run, benchmarks/e2e.py after commit f5532a0). A
+    run's first step carries the prompt's prefill (draft and target), which no per-step price covers, so measured
+    and modelled are compared over the later steps; "outside" is the wall clock no step measured (the prefill is
+    in a step; this is transformers' loop around the steps: cache updates, stopping criteria, the hook's own calls).
+    """
+    import numpy as np
+
+    from speckv_policy.schema import COMPRESSION_CODES
+
+    runs = [r for r in race["runs"] if r.get("step_gamma")]
+    if not runs:
+        print("\n(no per-step data in this race: rerun benchmarks/e2e.py to get the accounting)")
+        return
+    print(
+        "\nWhere the wall clock went (sums over the block's runs; steps after each run's first; ms per step): "
+        "measured by the hook against priced by the cost model\n"
+    )
+    print(
+        "| block | arm | steps | tokens/step | draft measured | draft priced | verify measured | verify priced | "
+        "decision | outside the steps | wall / priced |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    blocks = sorted({(r["compression"], r["decoding"]) for r in runs})
+    for comp, dec in blocks:
+        code = COMPRESSION_CODES[comp]
+        for arm in [a for a in race["arms"] if any(r["arm"] == a for r in runs)]:
+            sel = [r for r in runs if (r["compression"], r["decoding"], r["arm"]) == (comp, dec, arm)]
+            drafted = np.concatenate([r["step_drafted"][1:] for r in sel])
+            gamma = np.concatenate([r["step_gamma"][1:] for r in sel])
+            d_ms = np.concatenate([r["step_draft_ms"][1:] for r in sel])
+            v_ms = np.concatenate([r["step_verify_ms"][1:] for r in sel])
+            n = len(gamma)
+            if n == 0:
+                continue
+            d_model = cost.draft_ms(drafted, code)  # type: ignore[attr-defined]
+            v_model = cost.verify_ms(gamma, code)  # type: ignore[attr-defined]
+            wall = sum(r["seconds"] for r in sel) * 1e3
+            measured = sum(sum(r["step_draft_ms"]) + sum(r["step_verify_ms"]) for r in sel)
+            decision = sum(r["decision_s"] for r in sel) * 1e3
+            steps_all = sum(len(r["step_gamma"]) for r in sel)
+            outside = (wall - measured - decision) / steps_all
+            first = sum(r["step_draft_ms"][0] + r["step_verify_ms"][0] for r in sel)
+            priced = first + d_model.sum() + v_model.sum() + decision
+            tokens = sum(r["tokens"] for r in sel)
+            print(
+                f"| {comp}/{dec} | {arm} | {n} | {tokens / steps_all:.2f} | {d_ms.mean():.2f} | {d_model.mean():.2f} | "
+                f"{v_ms.mean():.2f} | {v_model.mean():.2f} | {decision / steps_all:.2f} | {outside:.2f} | "
+                f"{wall / priced:.3f} |"
+            )
 
 
 if __name__ == "__main__":

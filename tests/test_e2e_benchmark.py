@@ -114,6 +114,14 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     assert {r["prompt_id"] for r in runs} == {"code-heldout", "chat-heldout"}  # held-out prompts only
     assert all(r["tokens"] == 6 and r["seconds"] > 0 for r in runs)
     assert all(r["fallbacks"] == 0 for r in runs)
+    for r in runs:  # every run through the hook saved its steps; HF's own arms and the target alone have none
+        hooked = r["steps"] is not None
+        assert (len(r["step_gamma"]) == r["steps"]) if hooked else r["step_gamma"] == []
+        assert len(r["step_drafted"]) == len(r["step_accepted"]) == len(r["step_draft_ms"]) == len(r["step_gamma"])
+        assert all(
+            a <= g <= d or (g == 0 and a == 0)
+            for a, g, d in zip(r["step_accepted"], r["step_gamma"], r["step_drafted"])
+        )
     cell = res["summary"]["fp32/greedy/all"]
     assert cell["arms"]["target"]["vs_target"] == pytest.approx(1.0)
     lo, hi = cell["arms"]["gbt-upfront"]["vs_target_ci"]  # paired bootstrap CI over the 2 prompts
@@ -344,3 +352,47 @@ def test_online_offline_comparison_on_the_shipped_race():
         assert on_median == pytest.approx(cell["arms"]["gbt-pre-repriced"]["vs_best_fixed"], abs=1e-3)
         assert on_pooled == pytest.approx(cell["pooled"]["arms"]["gbt-pre-repriced"]["vs_best_fixed"], abs=1e-3)
         assert 0.5 < off_pooled < 2 and 0.5 < off_median < 2 and -1 <= corr <= 1
+
+
+def test_step_accounting_prices_the_steps_a_race_saved(capsys):
+    """Steps measured exactly at the calibration's prices, plus 2 ms per step outside them: the accounting reports
+    measured == priced per step, 2 ms outside, and wall / priced = (priced + outside) / priced."""
+    import importlib.util
+
+    from speckv_policy.objective import CostModel
+
+    spec = importlib.util.spec_from_file_location("online_offline", ROOT / "benchmarks" / "online_offline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cost = CostModel.load(ROOT / "docs" / "onednn_quant_costs.json")
+    code = 2  # nf4
+    drafted, gamma, accepted = [3, 2, 0, 2], [3, 2, 0, 2], [3, 1, 0, 2]
+    d_ms = [50.0] + [float(cost.draft_ms(k, code)) for k in drafted[1:]]  # the first step carries the prefill
+    v_ms = [80.0] + [float(cost.verify_ms(g, code)) for g in gamma[1:]]
+    decision_s = 0.0004
+    wall_ms = sum(d_ms) + sum(v_ms) + 1e3 * decision_s + 2.0 * len(gamma)
+    run = {
+        "arm": "gbt-pre-repriced",
+        "compression": "nf4",
+        "decoding": "greedy",
+        "tokens": sum(accepted) + len(gamma),
+        "seconds": wall_ms / 1e3,
+        "decision_s": decision_s,
+        "step_drafted": drafted,
+        "step_gamma": gamma,
+        "step_accepted": accepted,
+        "step_draft_ms": d_ms,
+        "step_verify_ms": v_ms,
+    }
+    target_run = {"arm": "target", "compression": "nf4", "decoding": "greedy", "tokens": 10, "seconds": 0.2}
+    mod.accounting({"arms": ["target", "gbt-pre-repriced"], "runs": [target_run, run]}, cost)
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| nf4/")]
+    assert len(rows) == 1  # the target alone has no steps to account for
+    cells = [c.strip() for c in rows[0]]
+    assert cells[:3] == ["nf4/greedy", "gbt-pre-repriced", "3"]
+    assert float(cells[3]) == pytest.approx(run["tokens"] / 4, abs=0.01)
+    assert cells[4] == cells[5] and cells[6] == cells[7]  # measured at exactly the priced cost
+    assert float(cells[8]) == pytest.approx(0.1, abs=0.01)  # 0.4 ms of decisions over 4 steps
+    assert float(cells[9]) == pytest.approx(2.0, abs=0.01)
+    priced = wall_ms - 2.0 * len(gamma)
+    assert float(cells[10]) == pytest.approx(wall_ms / priced, abs=1e-3)

@@ -103,6 +103,7 @@ def run_once(
         seconds = stopwatch() - t0
     finally:
         summary = handle.summary() if handle is not None else {}
+        steps = handle.stats if handle is not None else []
         if handle is not None:
             handle.detach()
     if arm.assistant:
@@ -116,6 +117,13 @@ def run_once(
         "steps": summary.get("steps"),
         "decision_s": summary.get("decision_us_mean", 0.0) * summary.get("steps", 0) / 1e6,
         "fallbacks": summary.get("fallbacks", 0),
+        # per step, as the hook measured it (arms through the hook only): tokens drafted, sent and kept, and the
+        # draft call's and the verification's time (to price the run with a cost model, benchmarks/online_offline.py)
+        "step_drafted": [x.drafted for x in steps],
+        "step_gamma": [x.gamma for x in steps],
+        "step_accepted": [x.accepted for x in steps],
+        "step_draft_ms": [round(x.draft_ms, 3) for x in steps],
+        "step_verify_ms": [round(x.verify_ms, 3) for x in steps],
     }
 
 
