@@ -396,3 +396,35 @@ def test_step_accounting_prices_the_steps_a_race_saved(capsys):
     assert float(cells[9]) == pytest.approx(2.0, abs=0.01)
     priced = wall_ms - 2.0 * len(gamma)
     assert float(cells[10]) == pytest.approx(wall_ms / priced, abs=1e-3)
+
+
+def test_online_offline_choices_and_accounting_on_the_shipped_race_with_steps():
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "online_offline.py"),
+            "--race",
+            "docs/onednn_quant_steps.json",
+            "--pairs",
+            "exported/smollm2-gbt-pre.onnx=gbt-pre-repriced",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    saved = json.loads((ROOT / "docs" / "onednn_quant_steps.json").read_text())
+    text = out.stdout.split("What the policies chose")[1].split("Where the wall clock went")[0]
+    rows = [
+        line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| int8/") or line.startswith("| nf4/")
+    ]
+    assert [r[0].strip() for r in rows] == ["int8/greedy", "nf4/greedy"]
+    for r in rows:
+        comp = r[0].strip().split("/")[0]
+        sel = [x for x in saved["runs"] if x["compression"] == comp and x["arm"] == "gbt-pre-repriced"]
+        gam = np.concatenate([x["step_gamma"][1:] for x in sel])
+        assert float(r[3]) == pytest.approx(gam.mean(), abs=0.006)  # online mean gamma, from the saved steps
+        assert float(r[5]) == pytest.approx(np.mean(gam == 0), abs=0.006)
+    acct = out.stdout.split("Where the wall clock went")[1]
+    assert acct.count("| int8/greedy |") >= 10 and acct.count("| nf4/greedy |") >= 10  # every hook arm
