@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 def choices(race: dict, arms: dict, rows: object, pairs: dict) -> None:
     """Per policy arm and block: what it chose offline (replayed on its own history) and online, on the race's prompts.
 
-    Online figures need a race that saved its steps; a run's first step (the prefill) is left out.
+    Online figures need a race that saved its steps; a run's first step (the prefill) is left out. A plain stretch
+    is a maximal run of consecutive gamma-0 steps (offline: in the profile's step order within a prompt's run). "Text
+    per offline plain step" is how many tokens the profile's logged step advanced where the policy chose 0 there
+    (online a plain step advances one): the replay charges a plain region fewer steps than generation pays for it.
     """
     import numpy as np
 
@@ -114,9 +117,10 @@ def choices(race: dict, arms: dict, rows: object, pairs: dict) -> None:
     print("\nWhat the policies chose on the race's prompts, offline against online (steps after each run's first)\n")
     print(
         "| block | policy | offline mean gamma | online mean gamma | offline gamma-0 share | online gamma-0 share "
-        "| offline tokens/step | online tokens/step |"
+        "| offline plain stretch | online plain stretch | text per offline plain step | offline tokens/step "
+        "| online tokens/step |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for comp, dec in sorted({(r["compression"], r["decoding"]) for r in runs}):
         ids = sorted({r["prompt_id"] for r in runs if (r["compression"], r["decoding"]) == (comp, dec)})
         m = (
@@ -131,10 +135,30 @@ def choices(race: dict, arms: dict, rows: object, pairs: dict) -> None:
             g_on = np.concatenate([r["step_gamma"][1:] for r in sel])
             acc_on = np.concatenate([r["step_accepted"][1:] for r in sel])
             g_off, tok_off = arms[arm].chosen[m], arms[arm].tokens[m]
+            runs_off = [arms[arm].chosen[m & (rows["prompt_id"] == p).to_numpy()] for p in ids]  # type: ignore[index]
+            stretch_off = _plain_stretches(runs_off)
+            stretch_on = _plain_stretches([np.asarray(r["step_gamma"][1:]) for r in sel])
+            logged = rows["accepted"].to_numpy()[m] + 1  # type: ignore[index]  # text a logged step covered
+            text_plain = float(logged[g_off == 0].mean()) if (g_off == 0).any() else float("nan")
             print(
                 f"| {comp}/{dec} | {arm} | {g_off.mean():.2f} | {g_on.mean():.2f} | {np.mean(g_off == 0):.2f} | "
-                f"{np.mean(g_on == 0):.2f} | {tok_off.mean():.2f} | {1 + acc_on.mean():.2f} |"
+                f"{np.mean(g_on == 0):.2f} | {stretch_off:.2f} | {stretch_on:.2f} | {text_plain:.2f} | "
+                f"{tok_off.mean():.2f} | {1 + acc_on.mean():.2f} |"
             )
+
+
+def _plain_stretches(runs: list) -> float:
+    """Mean length, in steps, of the maximal runs of consecutive gamma-0 steps in each run's step sequence."""
+    lengths = []
+    for g in runs:
+        n = 0
+        for x in list(g) + [1]:
+            if x == 0:
+                n += 1
+            elif n:
+                lengths.append(n)
+                n = 0
+    return float(sum(lengths) / len(lengths)) if lengths else 0.0
 
 
 def accounting(race: dict, cost: object) -> None:
