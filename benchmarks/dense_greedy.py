@@ -1,0 +1,152 @@
+"""Greedy generation replayed at every position, set beside a race: a faithful offline evaluator for greedy decoding.
+
+Usage:
+    python benchmarks/dense_greedy.py [--race docs/onednn_quant_steps.json] [--costs docs/onednn_quant_costs.json]
+
+For each compression level of the race (or ``--compressions``) and each of its held-out prompts, the target writes
+its greedy continuation once (plain ``generate``) and the draft reads it once (a teacher-forced pass), which gives
+the outcome of a draft of any length at every position (``speckv_policy.evaluation.dense``). Every arm is then
+walked through those texts the way generation would walk it (decide, keep what matches, advance, update the
+history) and priced with the calibration. Beside each arm: what the step-log replay (``speckv-eval``'s evaluator, on
+the same prompts) and the race measured, as tokens/s and as a ratio to fixed gamma 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+DEFAULT_PAIRS = (
+    "exported/smollm2-gbt.onnx=gbt-repriced,exported/smollm2-gbt-pre.onnx=gbt-pre-repriced,"
+    "exported/smollm2-gbt-gated.onnx=gbt-gated-repriced"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--race", default="docs/onednn_quant_steps.json", help="a benchmarks/e2e.py --out JSON")
+    ap.add_argument("--costs", default="docs/onednn_quant_costs.json", help="calibration every arm is priced with")
+    ap.add_argument("--log", default="datasets/smollm2/steps.parquet", help="step log for the step-log replay")
+    ap.add_argument("--prompts", default="datasets/prompts/prompts.jsonl")
+    ap.add_argument("--compressions", default=None, help="default: the race's")
+    ap.add_argument("--max-prompts", type=int, default=None, help="only the first N of the race's prompts")
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="comma-separated EXPORT=RACE_ARM")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--draft", default="datasets/smollm2/draft")
+    from speckv_policy.cli.common import add_target_linear_argument
+
+    add_target_linear_argument(ap)
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from speckv_policy.cli.evaluate import load_for_eval
+    from speckv_policy.evaluation import evaluation_set, priced_arms
+    from speckv_policy.evaluation.dense import DenseText, match_runs, simulate
+    from speckv_policy.features import draft_token_stats_from_logits
+    from speckv_policy.hf.models import draft_precision
+    from speckv_policy.hf.onednn import apply_linear_backend
+    from speckv_policy.logs import read_log
+    from speckv_policy.objective import CostModel
+    from speckv_policy.prompts import encode_prompt, read_prompts
+    from speckv_policy.runtime import RuntimePolicy
+    from speckv_policy.smollm2.models import SMOLLM2_MODELS
+
+    with open(args.race, encoding="utf-8") as fh:
+        race = json.load(fh)
+    comps = args.compressions.split(",") if args.compressions else race["config"]["compressions"]
+    n_new = int(race["config"]["max_new_tokens"])
+    ids = sorted({r["prompt_id"] for r in race["runs"]})[: args.max_prompts]
+    prompts = [p for p in read_prompts(args.prompts) if p.id in ids]
+    cost = CostModel.load(args.costs)
+    pairs = dict(item.split("=", 1) for item in args.pairs.split(","))
+    exports = {}
+    for path, arm in pairs.items():
+        rt = RuntimePolicy(path)
+        rt.reprice(cost)
+        fs = rt.feature_set.name if rt.feature_set is not None else "online"
+        exports[arm] = (rt, {"pre": "pre", "gated": "gated"}.get(fs, "upfront"))
+    # the step-log replay of the same exports on the same prompts (what speckv-eval reports, restricted to them)
+    replay_cost = replace(cost, decision_draft_tokens=1)  # as speckv-eval --costs prices an upfront policy
+    chooser = {arm: load_for_eval(path, cost_model=replay_cost) for path, arm in pairs.items()}
+    es = evaluation_set(read_log(args.log), tuple(sorted({fs for fs, _ in chooser.values()} | {"online"})))
+    replay = {a.name: a for a in priced_arms(es, chooser, policy_cost=replay_cost)[0]}
+
+    tok = SMOLLM2_MODELS.load_tokenizer(args.target)
+    draft = SMOLLM2_MODELS.load_model(args.draft, draft_precision("cpu", "auto"), "cpu")
+    print(
+        f"{len(prompts)} held-out prompts of {args.race}, {n_new} new tokens, greedy; priced with {args.costs}; "
+        "tokens/s over every step after the prefill; online = the race's runs pooled\n"
+    )
+    print(
+        "| level | arm | replayed at every position: tok/s | x fixed-2 | gamma-0 share | tokens/step "
+        "| step-log replay: x fixed-2 | gamma-0 share | race: tok/s | x fixed-2 | gamma-0 share |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for comp in comps:
+        t0 = time.perf_counter()
+        target = SMOLLM2_MODELS.load_model(args.target, comp, "cpu")
+        apply_linear_backend(target, args.target_linear)
+        texts = []
+        with torch.inference_mode():
+            for p in prompts:
+                x = torch.tensor([encode_prompt(p, tok)])
+                out = target.generate(x, max_new_tokens=n_new, do_sample=False, pad_token_id=tok.eos_token_id)
+                logits = draft(out, logits_to_keep=0).logits[0].float()  # row i predicts token i + 1
+                plen, seq = x.shape[1], out[0].tolist()
+                own = logits[plen - 1 : len(seq) - 1]
+                conf, ent = draft_token_stats_from_logits(own)
+                texts.append(
+                    DenseText(
+                        seq, plen, match_runs(own.argmax(-1).tolist(), seq[plen:], 8), conf.tolist(), ent.tolist()
+                    )
+                )
+        del target
+        arms = {"target": ("fixed", lambda s: 0, None), "fixed-2": ("fixed", lambda s: 2, None)}
+        arms["fixed-4"] = ("fixed", lambda s: 4, None)
+        for arm, (rt, mode) in exports.items():
+            arms[arm] = (mode, rt.decide, rt.decide_gate if mode == "gated" else None)
+        res = {a: simulate(texts, m, d, compression=comp, cost=cost, gate=g) for a, (m, d, g) in arms.items()}
+        mask = (es.rows["compression"] == comp).to_numpy() & (es.rows["decoding"] == "greedy").to_numpy()
+        mask &= es.rows["prompt_id"].isin([p.id for p in prompts]).to_numpy()
+
+        sel = [r for r in race["runs"] if r["compression"] == comp and r["decoding"] == "greedy"]
+        sel = [r for r in sel if r["prompt_id"] in {p.id for p in prompts}]
+        f2 = res["fixed-2"].tokens_per_second
+        on_f2 = _online(sel, "fixed-2")[0]
+        for a, r in res.items():
+            on_rate, on_zero = _online(sel, a)
+            name = "fixed-0" if a == "target" else a  # the step-log replay's name for the target alone
+            ratio = _replay_rate(replay[name], mask) / _replay_rate(replay["fixed-2"], mask)
+            rep = f"{ratio:.3f} | {np.mean(replay[name].chosen[mask] == 0):.2f}"
+            print(
+                f"| {comp} | {a} | {r.tokens_per_second:.2f} | {r.tokens_per_second / f2:.3f} | "
+                f"{np.mean(r.gammas == 0):.2f} | {r.tokens / r.steps:.2f} | {rep} | {on_rate:.2f} | "
+                f"{on_rate / on_f2:.3f} | {'' if on_zero is None else f'{on_zero:.2f}'} |"
+            )
+        print(f"| {comp} | ({len(texts)} texts in {time.perf_counter() - t0:.0f} s) | | | | | | | | | |")
+    return 0
+
+
+def _replay_rate(arm: object, mask: object) -> float:
+    """Tokens per unit of modelled time of a step-log replay arm on the rows in ``mask``."""
+    return float(arm.tokens[mask].sum() / arm.time[mask].sum())  # type: ignore[attr-defined]
+
+
+def _online(runs: list[dict], arm: str) -> tuple[float, float | None]:
+    """The race's pooled tokens/s of ``arm`` and, where it saved its steps, its gamma-0 share (prefill left out)."""
+    import numpy as np
+
+    rs = [r for r in runs if r["arm"] == arm]
+    if not rs:
+        return float("nan"), None
+    steps = [g for r in rs for g in r.get("step_gamma", [])[1:]]
+    zero = float(np.mean(np.asarray(steps) == 0)) if steps else None
+    return sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs), zero
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Greedy generation replayed at every position: what a policy does online, without running the models again.
+
+A step log (``speckv-profile``) records one step per speculation step of a
+profiling run that drafted ``gamma_max`` tokens every time, so it knows every
+gamma's outcome only at the positions that run stopped at (after each
+verification, ~2 tokens apart). A policy that chooses gamma 0 advances one
+token and decides again at a position the log never visited, and its
+acceptance history stays where its last drafting step left it; replaying the
+log's steps under-counts those plain steps (docs/onednn_quant_steps.md).
+
+In greedy decoding the text does not depend on gamma (the target's own greedy
+continuation), and a draft of ``g`` tokens starting after ``k`` generated tokens
+keeps ``min(g, run[k])`` of them, where ``run[k]`` is how many of the draft's
+proposals, teacher-forced on that text, match it in a row from position ``k``.
+So one target pass for the text and one draft pass over it give every
+position's outcome, and :func:`simulate` walks a policy through the text
+exactly as generation would: decide, keep ``min(g, run[k])``, advance by that
+plus one, update the history, price the step with a cost model.
+(Bitsandbytes' INT8 / NF4 multi-token passes are not bit-identical to single
+steps, so there a generation's text can differ at near ties.)
+
+This module is numpy only; ``benchmarks/dense_greedy.py`` computes the texts and
+runs with the real pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..features import ContextMatcher, OnlineFeatureState, gated_values
+from ..objective import CostModel
+from ..schema import COMPRESSION_CODES
+
+__all__ = ["DenseText", "DenseResult", "match_runs", "simulate"]
+
+#: How a simulated policy decides: ``'fixed'`` (``decide(step) -> gamma``), ``'pre'``
+#: (``decide(pre_values) -> gamma``), ``'gated'`` (``gate(gated_values) -> bool`` with the probe
+#: columns 0, as the hook asks it, then
+#: ``decide(gated_values) -> gamma`` after the probe token) or ``'upfront'``
+#: (``decide(online_features) -> gamma`` after the probe token).
+SIMULATED_MODES = ("fixed", "pre", "gated", "upfront")
+
+
+@dataclass(frozen=True)
+class DenseText:
+    """One prompt's greedy continuation and the draft's outcome at every position.
+
+    Attributes
+    ----------
+    ids : sequence of int
+        Prompt followed by the target's greedy continuation.
+    prompt_len : int
+        Number of prompt tokens in ``ids``.
+    run : sequence of int
+        ``run[k]``: how many draft proposals in a row, from generated position
+        ``k`` on, equal the text (capped by the caller, e.g. at gamma_max).
+    conf, entropy : sequence of float
+        The draft's top-1 probability and entropy (nats) for generated position ``k``.
+    """
+
+    ids: Sequence[int]
+    prompt_len: int
+    run: Sequence[int]
+    conf: Sequence[float]
+    entropy: Sequence[float]
+
+    @property
+    def generated(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class DenseResult:
+    """Totals of a simulated policy over the texts (a run's first step, the prefill, left out)."""
+
+    tokens: float
+    time: float
+    steps: int
+    gammas: np.ndarray
+    accepted: np.ndarray
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1e3 * self.tokens / self.time if self.time > 0 else 0.0
+
+
+def match_runs(proposals: Sequence[int], text: Sequence[int], cap: int) -> list[int]:
+    """``run[k]`` for every ``k``: consecutive ``proposals[k + i] == text[k + i]``, at most ``cap``.
+
+    ``proposals[k]`` is the draft's greedy token for generated position ``k``
+    given the true text before it (a teacher-forced pass); a draft that starts at
+    ``k`` keeps proposing the text as long as it matches, so its outcome is the
+    run of matches from ``k``.
+    """
+    if len(proposals) != len(text):
+        raise ValueError(f"{len(proposals)} proposals for {len(text)} text tokens")
+    if cap < 0:
+        raise ValueError(f"cap must be >= 0, got {cap}")
+    n = len(text)
+    run = [0] * n
+    streak = 0
+    for k in range(n - 1, -1, -1):  # from the end: run[k] = 1 + run[k + 1] on a match
+        streak = streak + 1 if proposals[k] == text[k] else 0
+        run[k] = min(streak, cap)
+    return run
+
+
+def simulate(
+    texts: Sequence[DenseText],
+    mode: str,
+    decide: Callable[..., int],
+    *,
+    compression: str,
+    cost: CostModel,
+    gate: Callable[[list[float]], bool] | None = None,
+    max_gamma: int = 8,
+) -> DenseResult:
+    """Walk a policy through greedy texts the way generation would, and price its steps.
+
+    Parameters
+    ----------
+    texts : sequence of DenseText
+    mode : {'fixed', 'pre', 'gated', 'upfront'}
+        See :data:`SIMULATED_MODES`. Upfront and gated steps that read the
+        probe token pay for it (one draft token) even when they then choose 0.
+    decide : callable
+        The policy's length decision for the mode's features.
+    compression : str
+        Compression name (features and the cost model's row).
+    cost : CostModel
+        Prices each step: ``draft_ms(drafted) + verify_ms(gamma)``.
+    gate : callable or None
+        The gated mode's pre-draft gate.
+    max_gamma : int, default=8
+        Cap on any choice; the texts' ``run`` should be capped at least as high.
+
+    Returns
+    -------
+    DenseResult
+    """
+    if mode not in SIMULATED_MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(SIMULATED_MODES)}")
+    if mode == "gated" and gate is None:
+        raise ValueError("mode='gated' needs gate=")
+    code = COMPRESSION_CODES[compression]
+    tokens = time = 0.0
+    gammas: list[int] = []
+    kept: list[int] = []
+    for text in texts:
+        state = OnlineFeatureState(compression, 0.0)
+        matcher = ContextMatcher()
+        ids = list(text.ids)
+        k, first, step, synced = 0, True, 0, 0
+        while k < text.generated:
+            ctx = text.prompt_len + k
+            probe = False
+            if mode == "fixed":
+                g = int(decide(step))
+            elif mode == "upfront":
+                g, probe = int(decide(state.features(text.conf[k], text.entropy[k], ctx).tolist())), True
+            else:
+                matcher.extend(ids[synced:ctx])  # the context grows by what the last step kept
+                synced = ctx
+                pre = state.pre_values(ctx, matcher.match_len())
+                if mode == "pre":
+                    g = int(decide(pre))
+                elif gate(gated_values(pre, 0.0, 0.0)):  # type: ignore[misc]  # as the hook asks the gate
+                    g, probe = int(decide(gated_values(pre, text.conf[k], text.entropy[k]))), True
+                else:
+                    g = 0
+            g = max(0, min(g, max_gamma))
+            a = min(g, text.run[k], text.generated - k - 1) if g > 0 else 0
+            if g > 0:
+                state.update(g, a)
+            if not first:  # the first step carries the prefill, which no per-step price covers
+                drafted = max(g, 1) if probe else g
+                tokens += a + 1
+                time += float(cost.draft_ms(drafted, code)) + float(cost.verify_ms(g, code))
+                gammas.append(g)
+                kept.append(a)
+            first = False
+            k += a + 1
+            step += 1
+    return DenseResult(tokens, time, len(gammas), np.asarray(gammas), np.asarray(kept))

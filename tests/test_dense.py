@@ -1,0 +1,87 @@
+"""Greedy generation replayed at every position (speckv_policy.evaluation.dense)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speckv_policy.evaluation.dense import DenseText, match_runs, simulate
+from speckv_policy.objective import CostModel
+from speckv_policy.testing import tiny_llama_pair
+
+
+def test_match_runs_counts_consecutive_matches_from_each_position():
+    text = [5, 6, 7, 8, 9, 10]
+    proposals = [5, 6, 0, 8, 9, 10]
+    assert match_runs(proposals, text, cap=8) == [2, 1, 0, 3, 2, 1]
+    assert match_runs(proposals, text, cap=2) == [2, 1, 0, 2, 2, 1]
+    with pytest.raises(ValueError, match="3 proposals for 6"):
+        match_runs(proposals[:3], text, cap=8)
+
+
+def _cost() -> CostModel:
+    # draft 1 ms per call + 2 ms per token; verification 10 ms + 1 ms per draft token, every level
+    return CostModel(
+        draft_ms_per_token=(2.0, 2.0, 2.0),
+        verify_base_ms=(10.0, 10.0, 10.0),
+        verify_ms_per_token=(1.0, 1.0, 1.0),
+        draft_base_ms=(1.0, 1.0, 1.0),
+    )
+
+
+def test_simulate_walks_a_text_as_generation_would():
+    """Runs [3, 0, 0, 1, 0, 0, 2, 1, 0, 0]: fixed gamma 2 keeps min(2, run) and advances by that plus one."""
+    run = [3, 0, 0, 1, 0, 0, 2, 1, 0, 0]
+    text = DenseText(ids=list(range(100, 112)), prompt_len=2, run=run, conf=[0.5] * 10, entropy=[1.0] * 10)
+    res = simulate([text], "fixed", lambda step: 2, compression="fp32", cost=_cost())
+    # positions visited: 0 (keeps 2, the prefill step, not counted), 3 (keeps 1), 5 (0), 6 (2), 9 (the last
+    # position: nothing can be kept after it)
+    assert res.gammas.tolist() == [2, 2, 2, 2] and res.accepted.tolist() == [1, 0, 2, 0]
+    assert res.tokens == 2 + 1 + 3 + 1
+    assert res.time == pytest.approx(4 * (1 + 2 * 2 + 10 + 2))
+    plain = simulate([text], "fixed", lambda step: 0, compression="fp32", cost=_cost())
+    assert plain.steps == 9 and plain.tokens == 9 and plain.time == pytest.approx(9 * 10.0)
+    with pytest.raises(ValueError, match="unknown mode"):
+        simulate([text], "nope", lambda s: 0, compression="fp32", cost=_cost())
+    with pytest.raises(ValueError, match="needs gate"):
+        simulate([text], "gated", lambda s: 0, compression="fp32", cost=_cost())
+
+
+def test_a_pre_policys_history_only_moves_on_drafting_steps():
+    """A pre policy that drafts only while the last drafting step was fully accepted."""
+    run = [0] * 12
+    text = DenseText(ids=list(range(50, 64)), prompt_len=2, run=run, conf=[0.5] * 12, entropy=[1.0] * 12)
+
+    def decide(pre):  # index 5: prev_fully_accepted; index 4: prev_gamma (0 before any drafting step)
+        return 2 if pre[4] == 0 or pre[5] == 1 else 0
+
+    res = simulate([text], "pre", decide, compression="nf4", cost=_cost())
+    # step 0 drafts 2 and keeps none: from then on the history says "not fully accepted" and never changes
+    assert res.gammas.tolist() == [0] * 11 and res.tokens == 11  # positions 1..11, one token each
+
+
+def test_simulate_reproduces_the_hooks_steps_on_a_tiny_pair():
+    """Greedy generation through the hook in 'pre' mode with a policy that reads its features, against the
+    simulation on the target's greedy text and the draft's teacher-forced proposals: the same steps."""
+    from speckv_policy.hf import attach
+
+    target, draft = tiny_llama_pair(seed=3, noise=0.05)
+    ids = torch.tensor([[1, 7, 3, 9, 4, 7, 3]])
+    n = 24
+
+    def decide(pre):  # depends on the history, the context length and the self-repetition
+        return int((pre[3] + pre[8] + pre[6]) % 4)
+
+    with torch.inference_mode():
+        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
+        with attach(target, decide, mode="pre", feature_set="pre", max_gamma=8) as h:
+            out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
+        logits = draft(ref).logits[0]
+    assert torch.equal(out, ref)
+    plen, seq = ids.shape[1], ref[0].tolist()
+    proposals = logits[plen - 1 : len(seq) - 1].argmax(-1).tolist()
+    text = DenseText(seq, plen, match_runs(proposals, seq[plen:], 8), [0.5] * n, [1.0] * n)
+    res = simulate([text], "pre", decide, compression="fp32", cost=_cost())
+    hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
+    assert list(zip(res.gammas.tolist(), res.accepted.tolist()))[: len(hook) - 1] == hook[: len(hook) - 1]
+    assert any(g > 0 for g, _ in hook) and any(g == 0 for g, _ in hook)
