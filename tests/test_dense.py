@@ -85,3 +85,34 @@ def test_simulate_reproduces_the_hooks_steps_on_a_tiny_pair():
     hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
     assert list(zip(res.gammas.tolist(), res.accepted.tolist()))[: len(hook) - 1] == hook[: len(hook) - 1]
     assert any(g > 0 for g, _ in hook) and any(g == 0 for g, _ in hook)
+
+
+def test_dense_greedy_benchmark_on_the_real_pair():
+    """benchmarks/dense_greedy.py on two prompts of the shipped race at NF4: every arm priced, the race beside it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "dense_greedy.py"), "--compressions", "nf4", "--max-prompts", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| nf4 |")]
+    rows = {r[1].strip(): r for r in (line.split("|")[1:-1] for line in lines)}
+    assert {"target", "fixed-2", "fixed-4", "gbt-repriced", "gbt-pre-repriced", "gbt-gated-repriced"} <= set(rows)
+    assert float(rows["fixed-2"][3]) == pytest.approx(1.0) and float(rows["target"][4]) == pytest.approx(1.0)
+    assert float(rows["fixed-2"][4]) == 0.0 and float(rows["fixed-2"][5]) > 1.0  # tokens per step
+    race = json.loads((root / "docs" / "onednn_quant_steps.json").read_text())
+    first_two = sorted({r["prompt_id"] for r in race["runs"]})[:2]
+    sel = [
+        r for r in race["runs"] if r["compression"] == "nf4" and r["arm"] == "fixed-2" and r["prompt_id"] in first_two
+    ]
+    assert float(rows["fixed-2"][8]) == pytest.approx(
+        sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel), abs=0.01
+    )
