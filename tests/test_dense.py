@@ -116,3 +116,15 @@ def test_dense_greedy_benchmark_on_the_real_pair():
     assert float(rows["fixed-2"][8]) == pytest.approx(
         sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel), abs=0.01
     )
+
+
+def test_simulate_records_the_states_a_pre_policy_meets():
+    run = [2, 1, 0, 3, 2, 1, 0, 0]
+    text = DenseText(ids=list(range(10, 20)), prompt_len=2, run=run, conf=[0.5] * 8, entropy=[1.0] * 8)
+    visited: list = []
+    res = simulate([text], "pre", lambda pre: 1, compression="int8", cost=_cost(), visited=visited)
+    # gamma 1 everywhere: positions 0 (keeps 1), 2 (0), 3 (1), 5 (1), 7 (the last: nothing decidable after it)
+    assert [v[1:] for v in visited] == [(2, 7), (0, 5), (3, 4), (1, 2), (0, 0)]
+    assert all(len(v[0]) == 9 for v in visited)  # the 'pre' feature row
+    assert visited[1][0][3] == 1.0 and visited[2][0][3] == 0.0  # prev_accepted: 1 after position 0, 0 after 2
+    assert res.steps == len(visited) - 1  # the prefill step is recorded as a state, not counted as a step

@@ -117,6 +117,7 @@ def simulate(
     cost: CostModel,
     gate: Callable[[list[float]], bool] | None = None,
     max_gamma: int = 8,
+    visited: list[tuple[list[float], int, int]] | None = None,
 ) -> DenseResult:
     """Walk a policy through greedy texts the way generation would, and price its steps.
 
@@ -136,6 +137,10 @@ def simulate(
         The gated mode's pre-draft gate.
     max_gamma : int, default=8
         Cap on any choice; the texts' ``run`` should be capped at least as high.
+    visited : list or None
+        ``'pre'`` mode: if given, every decision appends ``(pre_values, run[k], known)``
+        (``known``: the longest draft whose outcome the text decides there), i.e. the
+        states the policy meets, labelled like a step log's ``(accepted, drafted)``.
 
     Returns
     -------
@@ -167,6 +172,9 @@ def simulate(
                 pre = state.pre_values(ctx, matcher.match_len())
                 if mode == "pre":
                     g = int(decide(pre))
+                    if visited is not None:
+                        known = min(max_gamma, text.generated - k - 1)
+                        visited.append((pre, min(int(text.run[k]), known), known))
                 elif gate(gated_values(pre, 0.0, 0.0)):  # type: ignore[misc]  # as the hook asks the gate
                     g, probe = int(decide(gated_values(pre, text.conf[k], text.entropy[k]))), True
                 else:
