@@ -128,3 +128,35 @@ def test_simulate_records_the_states_a_pre_policy_meets():
     assert all(len(v[0]) == 9 for v in visited)  # the 'pre' feature row
     assert visited[1][0][3] == 1.0 and visited[2][0][3] == 0.0  # prev_accepted: 1 after position 0, 0 after 2
     assert res.steps == len(visited) - 1  # the prefill step is recorded as a state, not counted as a step
+
+
+def test_dense_train_benchmark_refits_the_shipped_export_exactly():
+    """benchmarks/dense_train.py on a few prompts: the shipped recipe refitted decides as the shipped export does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--compressions", "nf4", "--max-train-prompts", "3", "--max-heldout-prompts", "3", "--rounds", "1"]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "dense_train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {
+        r[1].strip(): [c.strip() for c in r[2:]]
+        for r in (line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| nf4 |"))
+    }
+    assert set(rows) == {
+        "target alone",
+        "fixed-2",
+        "gbt-pre (shipped export)",
+        "gbt-pre (shipped recipe)",
+        "gbt-pre (dense rounds)",
+    }
+    assert rows["gbt-pre (shipped export)"] == rows["gbt-pre (shipped recipe)"]
+    assert rows["target alone"][1] == "1.000" and rows["fixed-2"][2] == "1.000"
+    assert "round 1:" in out.stdout
