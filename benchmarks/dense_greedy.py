@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default="datasets/prompts/prompts.jsonl")
     ap.add_argument("--compressions", default=None, help="default: the race's")
     ap.add_argument("--max-prompts", type=int, default=None, help="only the first N of the race's prompts")
+    ap.add_argument(
+        "--all-heldout", action="store_true", help="every held-out prompt of --log at fp32/INT8/NF4, no race beside it"
+    )
     ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="comma-separated EXPORT=RACE_ARM")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--draft", default="datasets/smollm2/draft")
@@ -55,11 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     from speckv_policy.runtime import RuntimePolicy
     from speckv_policy.smollm2.models import SMOLLM2_MODELS
 
-    with open(args.race, encoding="utf-8") as fh:
-        race = json.load(fh)
+    log = read_log(args.log)
+    if args.all_heldout:  # every held-out prompt of the log, no race beside it
+        race = {"config": {"compressions": ["fp32", "int8", "nf4"], "max_new_tokens": 48}, "runs": []}
+        ids = sorted(set(log.loc[log["split"] == "heldout", "prompt_id"]))[: args.max_prompts]
+    else:
+        with open(args.race, encoding="utf-8") as fh:
+            race = json.load(fh)
+        ids = sorted({r["prompt_id"] for r in race["runs"]})[: args.max_prompts]
     comps = args.compressions.split(",") if args.compressions else race["config"]["compressions"]
     n_new = int(race["config"]["max_new_tokens"])
-    ids = sorted({r["prompt_id"] for r in race["runs"]})[: args.max_prompts]
     prompts = [p for p in read_prompts(args.prompts) if p.id in ids]
     cost = CostModel.load(args.costs)
     pairs = dict(item.split("=", 1) for item in args.pairs.split(","))
@@ -72,20 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     # the step-log replay of the same exports on the same prompts (what speckv-eval reports, restricted to them)
     replay_cost = replace(cost, decision_draft_tokens=1)  # as speckv-eval --costs prices an upfront policy
     chooser = {arm: load_for_eval(path, cost_model=replay_cost) for path, arm in pairs.items()}
-    es = evaluation_set(read_log(args.log), tuple(sorted({fs for fs, _ in chooser.values()} | {"online"})))
+    es = evaluation_set(log, tuple(sorted({fs for fs, _ in chooser.values()} | {"online"})))
     replay = {a.name: a for a in priced_arms(es, chooser, policy_cost=replay_cost)[0]}
 
     tok = SMOLLM2_MODELS.load_tokenizer(args.target)
     draft = SMOLLM2_MODELS.load_model(args.draft, draft_precision("cpu", "auto"), "cpu")
     print(
-        f"{len(prompts)} held-out prompts of {args.race}, {n_new} new tokens, greedy; priced with {args.costs}; "
+        f"{len(prompts)} held-out prompts of {'the log' if args.all_heldout else args.race}, {n_new} new tokens, greedy; priced with {args.costs}; "
         "tokens/s over every step after the prefill; online = the race's runs pooled\n"
     )
     print(
         "| level | arm | replayed at every position: tok/s | x fixed-2 | gamma-0 share | tokens/step "
-        "| step-log replay: x fixed-2 | gamma-0 share | race: tok/s | x fixed-2 | gamma-0 share |"
+        "| step-log replay: x fixed-2 | gamma-0 share | race: tok/s | x fixed-2 | gamma-0 share "
+        "| replayed at every position: x target alone |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for comp in comps:
         t0 = time.perf_counter()
         target = SMOLLM2_MODELS.load_model(args.target, comp, "cpu")
@@ -115,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
         sel = [r for r in race["runs"] if r["compression"] == comp and r["decoding"] == "greedy"]
         sel = [r for r in sel if r["prompt_id"] in {p.id for p in prompts}]
-        f2 = res["fixed-2"].tokens_per_second
-        on_f2 = _online(sel, "fixed-2")[0]
+        f2, base = res["fixed-2"].tokens_per_second, res["target"].tokens_per_second
+        on_f2 = _online(sel, "fixed-2")[0] if sel else float("nan")
         for a, r in res.items():
             on_rate, on_zero = _online(sel, a)
             name = "fixed-0" if a == "target" else a  # the step-log replay's name for the target alone
@@ -124,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             rep = f"{ratio:.3f} | {np.mean(replay[name].chosen[mask] == 0):.2f}"
             print(
                 f"| {comp} | {a} | {r.tokens_per_second:.2f} | {r.tokens_per_second / f2:.3f} | "
-                f"{np.mean(r.gammas == 0):.2f} | {r.tokens / r.steps:.2f} | {rep} | {on_rate:.2f} | "
-                f"{on_rate / on_f2:.3f} | {'' if on_zero is None else f'{on_zero:.2f}'} |"
+                f"{np.mean(r.gammas == 0):.2f} | {r.tokens / r.steps:.2f} | {rep} | "
+                + (f"{on_rate:.2f} | {on_rate / on_f2:.3f} | " if sel else "| | ")
+                + f"{'' if on_zero is None else f'{on_zero:.2f}'} | {r.tokens_per_second / base:.3f} |"
             )
-        print(f"| {comp} | ({len(texts)} texts in {time.perf_counter() - t0:.0f} s) | | | | | | | | | |")
+        print(f"| {comp} | ({len(texts)} texts in {time.perf_counter() - t0:.0f} s) | | | | | | | | | | |")
     return 0
 
 

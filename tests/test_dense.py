@@ -107,6 +107,9 @@ def test_dense_greedy_benchmark_on_the_real_pair():
     rows = {r[1].strip(): r for r in (line.split("|")[1:-1] for line in lines)}
     assert {"target", "fixed-2", "fixed-4", "gbt-repriced", "gbt-pre-repriced", "gbt-gated-repriced"} <= set(rows)
     assert float(rows["fixed-2"][3]) == pytest.approx(1.0) and float(rows["target"][4]) == pytest.approx(1.0)
+    assert float(rows["target"][11]) == pytest.approx(1.0)  # x target alone, replayed at every position
+    ratio = float(rows["gbt-pre-repriced"][2]) / float(rows["target"][2])
+    assert float(rows["gbt-pre-repriced"][11]) == pytest.approx(ratio, abs=2e-3)
     assert float(rows["fixed-2"][4]) == 0.0 and float(rows["fixed-2"][5]) > 1.0  # tokens per step
     race = json.loads((root / "docs" / "onednn_quant_steps.json").read_text())
     first_two = sorted({r["prompt_id"] for r in race["runs"]})[:2]
@@ -160,3 +163,25 @@ def test_dense_train_benchmark_refits_the_shipped_export_exactly():
     assert rows["gbt-pre (shipped export)"] == rows["gbt-pre (shipped recipe)"]
     assert rows["target alone"][1] == "1.000" and rows["fixed-2"][2] == "1.000"
     assert "round 1:" in out.stdout
+
+
+def test_dense_greedy_benchmark_on_the_logs_heldout_prompts_without_a_race():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--all-heldout", "--compressions", "fp32", "--max-prompts", "2"]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "dense_greedy.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("2 held-out prompts of the log")
+    lines = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| fp32 |")]
+    rows = {r[1].strip(): [c.strip() for c in r] for r in lines}
+    assert {"target", "fixed-2", "gbt-pre-repriced"} <= set(rows)
+    assert rows["fixed-2"][8] == "" and rows["fixed-2"][9] == ""  # no race beside it
