@@ -561,6 +561,17 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _goal_line(what: str, v: dict[str, Any], key: str, goal: float) -> str:
+    """``what: 1.23x [95% CI lo, hi] (goal >= g) MET|MISSED`` for the ratio ``v[key]`` and its CI."""
+    ci = v.get(key + "_ci")
+    return (
+        f"{what}: {v[key]:.2f}x"
+        + (f" [95% CI {ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+        + f" (goal >= {goal:.2f}x) "
+        + ("MET" if v[key] >= goal else "MISSED")
+    )
+
+
 def goals(result: dict[str, Any]) -> list[str]:
     out = []
     s = result["summary"]
@@ -578,13 +589,7 @@ def goals(result: dict[str, Any]) -> list[str]:
             ("target alone", "vs_target", 1.00),
         ):
             if v.get(key) is not None:
-                ci = v.get(key + "_ci")
-                out.append(
-                    f"{comp} greedy, best of ours ({best}) vs {label}: {v[key]:.2f}x"
-                    + (f" [95% CI {ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
-                    + f" (goal >= {goal:.2f}x) "
-                    + ("MET" if v[key] >= goal else "MISSED")
-                )
+                out.append(_goal_line(f"{comp} greedy, best of ours ({best}) vs {label}", v, key, goal))
         for key, cell_t in s.items():
             c, d, t = key.split("/")
             if c == comp and d == "greedy" and t != "all":
@@ -608,13 +613,8 @@ def goals(result: dict[str, Any]) -> list[str]:
                 (f"the best peer rule ({pooled.get('best_peer')})", "vs_best_peer", 1.05),
             ):
                 if pv.get(key) is not None:
-                    ci = pv.get(key + "_ci")
-                    out.append(
-                        f"{comp} greedy, pooled over the runs, best of ours ({pbest}) vs {label}: {pv[key]:.2f}x"
-                        + (f" [95% CI {ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
-                        + f" (goal >= {goal:.2f}x) "
-                        + ("MET" if pv[key] >= goal else "MISSED")
-                    )
+                    what = f"{comp} greedy, pooled over the runs, best of ours ({pbest}) vs {label}"
+                    out.append(_goal_line(what, pv, key, goal))
         shares = [cell["arms"][a]["decision_share"] for a in ours]
         out.append(
             f"{comp} greedy decision overhead: max {100 * max(shares):.2f}% of generation time (goal < 1%) "
