@@ -88,3 +88,27 @@ def edge_rows(feature_set_names: tuple[str, ...], rng: np.random.Generator) -> n
             rows.append([r[n] for n in feature_set_names])
     rows += (rng.normal(0, 50, size=(20, len(feature_set_names)))).tolist()
     return np.asarray(rows, dtype=np.float32)
+
+
+def run_benchmark(script: str, *args: str, timeout: int = 900) -> str:
+    """``python benchmarks/SCRIPT ARGS`` from the repository root as a user runs it; asserts it succeeds, returns stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def table_rows(text: str, *firsts: str) -> list[list[str]]:
+    """The cells (stripped) of the Markdown table rows in ``text`` whose first cell starts with one of ``firsts``."""
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| ")]
+    return [r for r in rows if r and r[0].startswith(firsts)]

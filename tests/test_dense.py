@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from speckv_policy.evaluation.dense import DenseText, match_runs, simulate
 from speckv_policy.objective import CostModel
 from speckv_policy.testing import tiny_llama_pair
+
+from .conftest import run_benchmark, table_rows
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_match_runs_counts_consecutive_matches_from_each_position():
@@ -90,28 +96,16 @@ def test_simulate_reproduces_the_hooks_steps_on_a_tiny_pair():
 def test_dense_greedy_benchmark_on_the_real_pair():
     """benchmarks/dense_greedy.py on two prompts of the shipped race at NF4: every arm priced, the race beside it."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "dense_greedy.py"), "--compressions", "nf4", "--max-prompts", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line for line in out.stdout.splitlines() if line.startswith("| nf4 |")]
-    rows = {r[1].strip(): r for r in (line.split("|")[1:-1] for line in lines)}
+    stdout = run_benchmark("dense_greedy.py", "--compressions", "nf4", "--max-prompts", "2")
+    rows = {r[1]: r for r in table_rows(stdout, "nf4")}
     assert {"target", "fixed-2", "fixed-4", "gbt-repriced", "gbt-pre-repriced", "gbt-gated-repriced"} <= set(rows)
     assert float(rows["fixed-2"][3]) == pytest.approx(1.0) and float(rows["target"][4]) == pytest.approx(1.0)
     assert float(rows["target"][11]) == pytest.approx(1.0)  # x target alone, replayed at every position
     ratio = float(rows["gbt-pre-repriced"][2]) / float(rows["target"][2])
     assert float(rows["gbt-pre-repriced"][11]) == pytest.approx(ratio, abs=2e-3)
     assert float(rows["fixed-2"][4]) == 0.0 and float(rows["fixed-2"][5]) > 1.0  # tokens per step
-    race = json.loads((root / "docs" / "onednn_quant_steps.json").read_text())
+    race = json.loads((ROOT / "docs" / "onednn_quant_steps.json").read_text())
     first_two = sorted({r["prompt_id"] for r in race["runs"]})[:2]
     sel = [
         r for r in race["runs"] if r["compression"] == "nf4" and r["arm"] == "fixed-2" and r["prompt_id"] in first_two
@@ -135,24 +129,9 @@ def test_simulate_records_the_states_a_pre_policy_meets():
 
 def test_dense_train_benchmark_refits_the_shipped_export_exactly():
     """benchmarks/dense_train.py on a few prompts: the shipped recipe refitted decides as the shipped export does."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
     args = ["--compressions", "nf4", "--max-train-prompts", "3", "--max-heldout-prompts", "3", "--rounds", "1"]
-    out = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "dense_train.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=root,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = {
-        r[1].strip(): [c.strip() for c in r[2:]]
-        for r in (line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| nf4 |"))
-    }
+    stdout = run_benchmark("dense_train.py", *args)
+    rows = {r[1]: r[2:] for r in table_rows(stdout, "nf4")}
     assert set(rows) == {
         "target alone",
         "fixed-2",
@@ -162,26 +141,12 @@ def test_dense_train_benchmark_refits_the_shipped_export_exactly():
     }
     assert rows["gbt-pre (shipped export)"] == rows["gbt-pre (shipped recipe)"]
     assert rows["target alone"][1] == "1.000" and rows["fixed-2"][2] == "1.000"
-    assert "round 1:" in out.stdout
+    assert "round 1:" in stdout
 
 
 def test_dense_greedy_benchmark_on_the_logs_heldout_prompts_without_a_race():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    args = ["--all-heldout", "--compressions", "fp32", "--max-prompts", "2"]
-    out = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "dense_greedy.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("2 held-out prompts of the log")
-    lines = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| fp32 |")]
-    rows = {r[1].strip(): [c.strip() for c in r] for r in lines}
+    stdout = run_benchmark("dense_greedy.py", "--all-heldout", "--compressions", "fp32", "--max-prompts", "2")
+    assert stdout.startswith("2 held-out prompts of the log")
+    rows = {r[1]: r for r in table_rows(stdout, "fp32")}
     assert {"target", "fixed-2", "gbt-pre-repriced"} <= set(rows)
     assert rows["fixed-2"][8] == "" and rows["fixed-2"][9] == ""  # no race beside it

@@ -14,6 +14,8 @@ from speckv_policy.evaluation import race
 from speckv_policy.hf import race as hf_race
 from speckv_policy.testing import save_tiny_pair
 
+from .conftest import run_benchmark, table_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -321,24 +323,8 @@ def test_pooled_ratios_are_total_tokens_over_total_time_not_the_median_of_ratios
 
 def test_online_offline_comparison_on_the_shipped_race():
     """benchmarks/online_offline.py sets a shipped race beside the offline evaluator on the same prompts."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "online_offline.py"),
-            "--pairs",
-            "exported/smollm2-gbt-pre.onnx=gbt-pre-repriced",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [
-        line.split("|")[1:-1]
-        for line in out.stdout.splitlines()
-        if line.startswith("| int8/") or line.startswith("| nf4/")
-    ]
+    stdout = run_benchmark("online_offline.py", "--pairs", "exported/smollm2-gbt-pre.onnx=gbt-pre-repriced")
+    rows = table_rows(stdout, "int8/", "nf4/")
     assert [r[0].strip() for r in rows] == ["int8/greedy", "nf4/greedy"]
     saved = json.loads((ROOT / "docs" / "onednn_quant_rerun.json").read_text())
     summary = race.summarize_runs(saved["runs"], saved["arms"])
@@ -399,26 +385,16 @@ def test_step_accounting_prices_the_steps_a_race_saved(capsys):
 
 
 def test_online_offline_choices_and_accounting_on_the_shipped_race_with_steps():
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "online_offline.py"),
-            "--race",
-            "docs/onednn_quant_steps.json",
-            "--pairs",
-            "exported/smollm2-gbt-pre.onnx=gbt-pre-repriced",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
+    stdout = run_benchmark(
+        "online_offline.py",
+        "--race",
+        "docs/onednn_quant_steps.json",
+        "--pairs",
+        "exported/smollm2-gbt-pre.onnx=gbt-pre-repriced",
     )
-    assert out.returncode == 0, out.stderr[-2000:]
     saved = json.loads((ROOT / "docs" / "onednn_quant_steps.json").read_text())
-    text = out.stdout.split("What the policies chose")[1].split("Where the wall clock went")[0]
-    rows = [
-        line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| int8/") or line.startswith("| nf4/")
-    ]
+    text = stdout.split("What the policies chose")[1].split("Where the wall clock went")[0]
+    rows = table_rows(text, "int8/", "nf4/")
     assert [r[0].strip() for r in rows] == ["int8/greedy", "nf4/greedy"]
     for r in rows:
         comp = r[0].strip().split("/")[0]
@@ -426,5 +402,5 @@ def test_online_offline_choices_and_accounting_on_the_shipped_race_with_steps():
         gam = np.concatenate([x["step_gamma"][1:] for x in sel])
         assert float(r[3]) == pytest.approx(gam.mean(), abs=0.006)  # online mean gamma, from the saved steps
         assert float(r[5]) == pytest.approx(np.mean(gam == 0), abs=0.006)
-    acct = out.stdout.split("Where the wall clock went")[1]
+    acct = stdout.split("Where the wall clock went")[1]
     assert acct.count("| int8/greedy |") >= 10 and acct.count("| nf4/greedy |") >= 10  # every hook arm
