@@ -25,6 +25,8 @@ DEFAULT_PAIRS = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    from speckv_policy.cli.common import add_target_linear_argument, export_arm_pairs
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--race", default="docs/onednn_quant_steps.json", help="a benchmarks/e2e.py --out JSON")
     ap.add_argument("--costs", default="docs/onednn_quant_costs.json", help="calibration every arm is priced with")
@@ -35,13 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--all-heldout", action="store_true", help="every held-out prompt of --log at fp32/INT8/NF4, no race beside it"
     )
-    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="comma-separated EXPORT=RACE_ARM")
+    ap.add_argument("--pairs", type=export_arm_pairs, default=DEFAULT_PAIRS, help="comma-separated EXPORT=RACE_ARM")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--draft", default="datasets/smollm2/draft")
-    from speckv_policy.cli.common import add_target_linear_argument
-
     add_target_linear_argument(ap)
     args = ap.parse_args(argv)
+    import os
+
+    for f in [args.costs, args.log, args.prompts] + ([] if args.all_heldout else [args.race]):
+        if not os.path.isfile(f):
+            ap.error(f"{f}: no such file")
 
     import numpy as np
     import torch
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from speckv_policy.logs import read_log
     from speckv_policy.objective import CostModel
     from speckv_policy.prompts import encode_prompt, read_prompts
-    from speckv_policy.runtime import RuntimePolicy
+    from speckv_policy.runtime import PolicyLoadError, RuntimePolicy
     from speckv_policy.smollm2.models import SMOLLM2_MODELS
 
     log = read_log(args.log)
@@ -70,13 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     n_new = int(race["config"]["max_new_tokens"])
     prompts = [p for p in read_prompts(args.prompts) if p.id in ids]
     cost = CostModel.load(args.costs)
-    pairs = dict(item.split("=", 1) for item in args.pairs.split(","))
+    pairs = args.pairs
     exports = {}
     for path, arm in pairs.items():
-        rt = RuntimePolicy(path)
-        rt.reprice(cost)
-        fs = rt.feature_set.name if rt.feature_set is not None else "online"
-        exports[arm] = (rt, {"pre": "pre", "gated": "gated"}.get(fs, "upfront"))
+        modes = {"pre": "pre", "gated": "gated", "online": "upfront"}
+        try:
+            rt = RuntimePolicy(path)
+            fs = rt.feature_set.name if rt.feature_set is not None else "?"
+            if fs not in modes:
+                raise ValueError(f"feature set {fs!r} has no every-position replay (pre, gated or online exports only)")
+            rt.reprice(cost)
+        except (ValueError, PolicyLoadError) as exc:
+            msg = str(exc)
+            ap.error(msg if msg.startswith(path) else f"{path}: {msg}")
+        exports[arm] = (rt, modes[fs])
     # the step-log replay of the same exports on the same prompts (what speckv-eval reports, restricted to them)
     replay_cost = replace(cost, decision_draft_tokens=1)  # as speckv-eval --costs prices an upfront policy
     chooser = {arm: load_for_eval(path, cost_model=replay_cost) for path, arm in pairs.items()}

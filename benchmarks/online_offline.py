@@ -30,15 +30,22 @@ DEFAULT_PAIRS = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    from speckv_policy.cli.common import export_arm_pairs
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--race", default="docs/onednn_quant_rerun.json", help="a benchmarks/e2e.py --out JSON")
     ap.add_argument(
         "--costs", default="docs/onednn_quant_costs.json", help="calibration the exports are re-priced with"
     )
     ap.add_argument("--log", default="datasets/smollm2/steps.parquet")
-    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="comma-separated EXPORT=RACE_ARM")
+    ap.add_argument("--pairs", type=export_arm_pairs, default=DEFAULT_PAIRS, help="comma-separated EXPORT=RACE_ARM")
     ap.add_argument("--reference", default="fixed-2", help="a fixed-gamma arm both sides have (default fixed-2)")
     args = ap.parse_args(argv)
+    import os
+
+    for f in (args.race, args.costs, args.log):
+        if not os.path.isfile(f):
+            ap.error(f"{f}: no such file")
 
     from speckv_policy.cli.evaluate import load_for_eval
     from speckv_policy.evaluation import evaluation_set, priced_arms
@@ -47,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with open(args.race, encoding="utf-8") as fh:
         race = json.load(fh)
-    pairs = dict(item.split("=", 1) for item in args.pairs.split(","))
+    pairs = args.pairs
     cost = replace(CostModel.load(args.costs), decision_draft_tokens=1)
     policies = {arm: load_for_eval(path, cost_model=cost) for path, arm in pairs.items()}
     log = read_log(args.log)

@@ -150,3 +150,33 @@ def test_dense_greedy_benchmark_on_the_logs_heldout_prompts_without_a_race():
     rows = {r[1]: r for r in table_rows(stdout, "fp32")}
     assert {"target", "fixed-2", "gbt-pre-repriced"} <= set(rows)
     assert rows["fixed-2"][8] == "" and rows["fixed-2"][9] == ""  # no race beside it
+
+
+def test_bad_pairs_and_exports_get_a_clear_error():
+    import argparse
+    import subprocess
+    import sys
+
+    from speckv_policy.cli.common import export_arm_pairs
+
+    assert export_arm_pairs("exported/smollm2-gbt.onnx=a, exported/smollm2-table.onnx=b") == {
+        "exported/smollm2-gbt.onnx": "a",
+        "exported/smollm2-table.onnx": "b",
+    }
+    for bad, why in (
+        ("exported/smollm2-gbt.onnx", "is not EXPORT=ARM"),
+        ("=a", "is not EXPORT=ARM"),
+        ("exported/nope.onnx=a", "exported/nope.onnx: no such export"),
+        ("exported/smollm2-gbt.onnx=a,exported/smollm2-table.onnx=a", "'a' is given to two exports"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            export_arm_pairs(bad)
+    for script, args, why in (
+        ("dense_greedy.py", ["--pairs", "exported/smollm2-paper-mlp16.onnx=p"], "feature set 'paper' has no"),
+        ("dense_greedy.py", ["--race", "nope.json"], "nope.json: no such file"),
+        ("online_offline.py", ["--costs", "nope.json"], "nope.json: no such file"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, cwd=ROOT
+        )
+        assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1000:]

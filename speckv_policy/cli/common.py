@@ -55,6 +55,29 @@ def add_target_linear_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def export_arm_pairs(text: str) -> dict[str, str]:
+    """Argparse type for ``EXPORT=ARM,EXPORT=ARM``: an ONNX export (an existing file) and the name it goes by.
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        Naming the item that is not ``EXPORT=ARM``, a missing file or a name used twice.
+    """
+    import os
+
+    pairs: dict[str, str] = {}
+    for item in (t.strip() for t in text.split(",")):
+        path, sep, arm = item.partition("=")
+        if not sep or not path or not arm:
+            raise argparse.ArgumentTypeError(f"{item!r} is not EXPORT=ARM (e.g. exported/smollm2-gbt-pre.onnx=gbt-pre)")
+        if not os.path.isfile(path):
+            raise argparse.ArgumentTypeError(f"{path}: no such export")
+        if arm in pairs.values():
+            raise argparse.ArgumentTypeError(f"the name {arm!r} is given to two exports")
+        pairs[path] = arm
+    return pairs
+
+
 def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
     """argparse type: a float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
 
