@@ -9,6 +9,13 @@ the outcome of a draft of any length at every position (``speckv_policy.evaluati
 walked through those texts the way generation would walk it (decide, keep what matches, advance, update the
 history) and priced with the calibration. Beside each arm: what the step-log replay (``speckv-eval``'s evaluator, on
 the same prompts) and the race measured, as tokens/s and as a ratio to fixed gamma 2.
+
+A second table per level gives the same replay with the issue's statistics: tokens/s pooled over the prompts, paired
+bootstrap 95% CIs over prompts for x the target alone and x the best fixed gamma (0..8, re-chosen in every resample),
+overall and per task type, and the share of the fastest gammas in hindsight (a shortest path over every position of
+the texts, :func:`~speckv_policy.evaluation.dense.hindsight_oracle`) that each arm reaches. A third table says what
+the signals could be worth: the oracle against rules that know only whether the draft's first token will be kept (a
+perfect gate, then a fixed gamma), and how well the signals a policy has predict that (ROC AUC over every position).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from speckv_policy.cli.evaluate import load_for_eval
     from speckv_policy.evaluation import evaluation_set, priced_arms
-    from speckv_policy.evaluation.dense import DenseText, match_runs, simulate
+    from speckv_policy.evaluation.dense import DenseText, hindsight_oracle, match_runs, simulate, simulate_hindsight
     from speckv_policy.features import draft_token_stats_from_logits
     from speckv_policy.hf.models import draft_precision
     from speckv_policy.hf.onednn import apply_linear_backend
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "| replayed at every position: x target alone |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ci_tables: list[str] = []
+    headroom: list[str] = []
     for comp in comps:
         t0 = time.perf_counter()
         target = SMOLLM2_MODELS.load_model(args.target, comp, "cpu")
@@ -150,7 +159,106 @@ def main(argv: list[str] | None = None) -> int:
                 + f"{'' if on_zero is None else f'{on_zero:.2f}'} | {r.tokens_per_second / base:.3f} |"
             )
         print(f"| {comp} | ({len(texts)} texts in {time.perf_counter() - t0:.0f} s) | | | | | | | | | | |")
+        for g in range(9):
+            res.setdefault(f"fixed-{g}", simulate(texts, "fixed", lambda s, g=g: g, compression=comp, cost=cost))
+        res["oracle"] = hindsight_oracle(texts, compression=comp, cost=cost)
+        ci_tables.append(_ci_table(comp, res, list(exports), [p.task_type for p in prompts], [p.id for p in prompts]))
+        bound = {
+            f"perfect gate, then fixed-{g}": simulate_hindsight(
+                texts, lambda t, k, g=g: g if t.run[k] >= 1 else 0, compression=comp, cost=cost
+            )
+            for g in range(1, 5)
+        }
+        headroom.append(_headroom(comp, texts, res, bound, exports))
+    print("\n".join(ci_tables))
+    print("\n".join(headroom))
     return 0
+
+
+def _headroom(comp: str, texts: list, res: dict, bound: dict, exports: dict) -> str:
+    """What a perfect first-token gate is worth, and how well the signals a policy has predict it (ROC AUC)."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+
+    from speckv_policy.features import ContextMatcher
+
+    f2, base, best = (res[a].tokens_per_second for a in ("fixed-2", "target", "oracle"))
+    rows = [
+        f"\n{comp}: what knowing the first draft token's fate is worth (tokens/s pooled over the prompts)\n",
+        "| level | rule | tok/s | x target alone | x fixed-2 | x oracle | gamma-0 share |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    ours = {a: res[a] for a in exports}
+    for name, r in {"oracle in hindsight": res["oracle"], **bound, **ours}.items():
+        v = r.tokens_per_second
+        rows.append(
+            f"| {comp} | {name} | {v:.2f} | {v / base:.3f} | {v / f2:.3f} | {v / best:.3f} | "
+            f"{np.mean(r.gammas == 0):.2f} |"
+        )
+    kept, conf, ent, match = [], [], [], []
+    for t in texts:  # every position k: is the draft's first token kept, and the signals known there
+        matcher = ContextMatcher()
+        matcher.extend(list(t.ids[: t.prompt_len]))
+        for k in range(t.generated - 1):
+            kept.append(t.run[k] >= 1)
+            conf.append(t.conf[k])
+            ent.append(-t.entropy[k])
+            match.append(matcher.match_len())
+            matcher.extend([t.ids[t.prompt_len + k]])
+    y = np.asarray(kept)
+    rows.append(
+        f"\n{comp}: the draft's first token is kept at {y.mean():.1%} of {len(y)} positions; ROC AUC for it of the "
+        f"probe token's confidence {roc_auc_score(y, conf):.3f}, of minus its entropy {roc_auc_score(y, ent):.3f} "
+        f"(both need the probe), of the context's self-repetition (match length) {roc_auc_score(y, match):.3f}"
+    )
+    return "\n".join(rows)
+
+
+def _ci_table(comp: str, res: dict, ours: list[str], tasks: list[str], prompt_ids: list[str]) -> str:
+    """Pooled tokens/s, paired bootstrap CIs over prompts, overall and per task type, and x the oracle in hindsight."""
+    import numpy as np
+
+    from speckv_policy.evaluation import TARGET_ALONE, Arm, paired_bootstrap
+
+    arms = []
+    for name, r in res.items():
+        if name == "target":
+            continue  # the same walk as fixed-0 (TARGET_ALONE)
+        kind = "fixed" if name.startswith("fixed-") else "oracle" if name == "oracle" else "policy"
+        arms.append(Arm(name, r.text_tokens, r.text_time, np.zeros(len(r.text_tokens)), kind=kind))
+    clusters = np.asarray(prompt_ids)
+    rows = [
+        f"\n{comp}: pooled over the prompts, 95% paired bootstrap CIs over prompts (10,000 resamples; best fixed "
+        "gamma of 0..8 re-chosen in each); x oracle = tokens/s over the fastest gammas in hindsight's\n",
+        "| level | prompts | arm | tok/s | x target alone [95% CI] | x best fixed [95% CI] | best fixed | x oracle |",
+        "|---|---|---|---:|---|---|---:|---:|",
+    ]
+    groups = [("all", np.ones(len(tasks), bool))] + [(t, np.asarray(tasks) == t) for t in sorted(set(tasks))]
+    for label, mask in groups:
+        if mask.sum() < 2:
+            continue
+        boot = paired_bootstrap(arms, clusters, mask)
+
+        def rate(name: str, mask: np.ndarray = mask) -> float:
+            return 1e3 * res[name].text_tokens[mask].sum() / res[name].text_time[mask].sum()
+
+        fixed = max((f"fixed-{g}" for g in range(9)), key=rate)
+        for name in ["oracle", fixed, *ours]:
+            b = boot[name]
+            cell = ["", "", ""]
+            if name in ours:
+                t, f = b["vs_target"], b["vs_best_fixed"]
+                cell[0] = f"{t['ratio']:.3f} [{t['ci'][0]:.3f}, {t['ci'][1]:.3f}]"
+                cell[1] = f"{f['ratio']:.3f} [{f['ci'][0]:.3f}, {f['ci'][1]:.3f}]"
+            else:
+                cell[0] = f"{rate(name) / rate(TARGET_ALONE):.3f}"
+                cell[1] = f"{rate(name) / rate(fixed):.3f}"
+            cell[2] = f"{rate(name) / rate('oracle'):.3f}"
+            rows.append(
+                f"| {comp} | {label} ({int(mask.sum())}) | {name} | {rate(name):.2f} | {cell[0]} | {cell[1]} | "
+                f"{fixed} | {cell[2]} |"
+            )
+    return "\n".join(rows)
 
 
 def _replay_rate(arm: object, mask: object) -> float:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from speckv_policy.evaluation.dense import DenseText, match_runs, simulate
+from speckv_policy.evaluation.dense import DenseText, hindsight_oracle, match_runs, simulate, simulate_hindsight
 from speckv_policy.objective import CostModel
 from speckv_policy.testing import tiny_llama_pair
 
@@ -51,6 +52,54 @@ def test_simulate_walks_a_text_as_generation_would():
         simulate([text], "nope", lambda s: 0, compression="fp32", cost=_cost())
     with pytest.raises(ValueError, match="needs gate"):
         simulate([text], "gated", lambda s: 0, compression="fp32", cost=_cost())
+
+
+def test_the_hindsight_oracle_is_the_shortest_path_through_the_text():
+    """Runs [0, 3, 2, 1, 0, 0] priced 10 ms for a plain step and 11 + 3 g ms for a draft of g (by hand: from the
+    end, the best is a plain step at 0 (the prefill, left out), gamma 3 at 1 (keeps 3), a plain step at 5)."""
+    run = [0, 3, 2, 1, 0, 0]
+    text = DenseText(ids=list(range(30, 38)), prompt_len=2, run=run, conf=[0.5] * 6, entropy=[1.0] * 6)
+    best = hindsight_oracle([text], compression="fp32", cost=_cost())
+    assert best.gammas.tolist() == [3, 0] and best.accepted.tolist() == [3, 0]
+    assert best.tokens == 5 and best.time == pytest.approx(20.0 + 10.0)
+    # no other choice of gammas is faster: every fixed gamma and random schedules (run[0] = 0, so every walk's
+    # first step, left out, advances one token and the oracle's is the cheapest: the comparison is exact)
+    rng = np.random.default_rng(0)
+    texts = []
+    for _ in range(3):
+        proposals = [0] + rng.integers(0, 2, 195).tolist()
+        texts.append(DenseText(list(range(200)), 4, match_runs(proposals, [1] * 196, 8), [0.5] * 196, [1.0] * 196))
+    best = hindsight_oracle(texts, compression="nf4", cost=_cost())
+    assert best.text_tokens.tolist() == [195.0] * 3
+    schedules = [np.full(400, g) for g in range(9)]
+    schedules += [np.random.default_rng(seed).integers(0, 9 if seed % 2 else 3, 400) for seed in range(40)]
+    for choices in schedules:
+        other = simulate(texts, "fixed", choices.__getitem__, compression="nf4", cost=_cost())
+        assert other.tokens == best.tokens and best.time <= other.time + 1e-9
+
+
+def test_a_hindsight_rule_is_walked_and_priced_like_a_policy():
+    """A perfect gate drafting 2 where the first draft token is kept equals fixed gamma 2 on a text where it
+    always is, and the target alone where it never is."""
+    always = DenseText(list(range(20)), 2, [2] * 18, [0.5] * 18, [1.0] * 18)
+    never = DenseText(list(range(20)), 2, [0] * 18, [0.5] * 18, [1.0] * 18)
+    gate = lambda text, k: 2 if text.run[k] >= 1 else 0  # noqa: E731
+    for text, same in ((always, 2), (never, 0)):
+        a = simulate_hindsight([text], gate, compression="fp32", cost=_cost())
+        b = simulate([text], "fixed", lambda step, g=same: g, compression="fp32", cost=_cost())
+        assert (a.tokens, a.time, a.gammas.tolist()) == (b.tokens, b.time, b.gammas.tolist())
+
+
+def test_simulate_reports_every_texts_totals():
+    texts = [
+        DenseText(list(range(10, 22)), 2, [3, 0, 0, 1, 0, 0, 2, 1, 0, 0], [0.5] * 10, [1.0] * 10),
+        DenseText(list(range(40, 47)), 3, [1, 0, 2, 0], [0.5] * 4, [1.0] * 4),
+    ]
+    both = simulate(texts, "fixed", lambda step: 1, compression="int8", cost=_cost())
+    alone = [simulate([t], "fixed", lambda step: 1, compression="int8", cost=_cost()) for t in texts]
+    assert both.text_tokens.tolist() == [a.tokens for a in alone]
+    assert both.text_time.tolist() == pytest.approx([a.time for a in alone])
+    assert both.tokens == sum(a.tokens for a in alone) and both.time == pytest.approx(sum(a.time for a in alone))
 
 
 def test_a_pre_policys_history_only_moves_on_drafting_steps():
@@ -98,7 +147,7 @@ def test_dense_greedy_benchmark_on_the_real_pair():
     import json
 
     stdout = run_benchmark("dense_greedy.py", "--compressions", "nf4", "--max-prompts", "2")
-    rows = {r[1]: r for r in table_rows(stdout, "nf4")}
+    rows = {r[1]: r for r in table_rows(stdout, "nf4") if len(r) == 12}  # the first table
     assert {"target", "fixed-2", "fixed-4", "gbt-repriced", "gbt-pre-repriced", "gbt-gated-repriced"} <= set(rows)
     assert float(rows["fixed-2"][3]) == pytest.approx(1.0) and float(rows["target"][4]) == pytest.approx(1.0)
     assert float(rows["target"][11]) == pytest.approx(1.0)  # x target alone, replayed at every position
@@ -147,9 +196,23 @@ def test_dense_train_benchmark_refits_the_shipped_export_exactly():
 def test_dense_greedy_benchmark_on_the_logs_heldout_prompts_without_a_race():
     stdout = run_benchmark("dense_greedy.py", "--all-heldout", "--compressions", "fp32", "--max-prompts", "2")
     assert stdout.startswith("2 held-out prompts of the log")
-    rows = {r[1]: r for r in table_rows(stdout, "fp32")}
+    rows = {r[1]: r for r in table_rows(stdout, "fp32") if len(r) == 12}  # the first table
     assert {"target", "fixed-2", "gbt-pre-repriced"} <= set(rows)
     assert rows["fixed-2"][8] == "" and rows["fixed-2"][9] == ""  # no race beside it
+    # the second table: pooled, with paired bootstrap CIs and the oracle in hindsight
+    ci = {r[2]: r for r in table_rows(stdout, "fp32") if r[1] == "all (2)"}
+    assert {"oracle", "gbt-pre-repriced", "gbt-gated-repriced"} <= set(ci)
+    assert ci["oracle"][7] == "1.000" and float(ci["oracle"][4]) >= 1.0
+    for arm in ("gbt-pre-repriced", "gbt-gated-repriced"):
+        ratio, lo, hi = (float(v) for v in ci[arm][4].replace("[", "").replace("]", "").replace(",", " ").split())
+        assert lo <= ratio <= hi
+        assert ratio == pytest.approx(float(ci[arm][3]) / float(rows["target"][2]), abs=2e-3)
+        assert float(ci[arm][7]) <= 1.0
+    # the third table: rules that know the first draft token's fate, bounded by the oracle; the signals' AUC
+    bound = {r[1]: r for r in table_rows(stdout, "fp32") if r[1].startswith(("oracle in", "perfect gate"))}
+    assert len(bound) == 5 and bound["oracle in hindsight"][5] == "1.000"
+    assert all(float(r[5]) <= 1.0 for r in bound.values())
+    assert "ROC AUC for it of the probe token's confidence" in stdout
 
 
 def test_bad_pairs_and_exports_get_a_clear_error():

@@ -34,7 +34,7 @@ from ..features import ContextMatcher, OnlineFeatureState, gated_values
 from ..objective import CostModel
 from ..schema import COMPRESSION_CODES
 
-__all__ = ["DenseText", "DenseResult", "match_runs", "simulate"]
+__all__ = ["DenseText", "DenseResult", "hindsight_oracle", "match_runs", "simulate", "simulate_hindsight"]
 
 #: How a simulated policy decides: ``'fixed'`` (``decide(step) -> gamma``), ``'pre'``
 #: (``decide(pre_values) -> gamma``), ``'gated'`` (``gate(gated_values) -> bool`` with the probe
@@ -74,13 +74,19 @@ class DenseText:
 
 @dataclass(frozen=True)
 class DenseResult:
-    """Totals of a simulated policy over the texts (a run's first step, the prefill, left out)."""
+    """Totals of a simulated policy over the texts (a run's first step, the prefill, left out).
+
+    ``text_tokens`` and ``text_time`` hold the same totals per text, in the
+    order of the texts (what a bootstrap over prompts resamples).
+    """
 
     tokens: float
     time: float
     steps: int
     gammas: np.ndarray
     accepted: np.ndarray
+    text_tokens: np.ndarray
+    text_time: np.ndarray
 
     @property
     def tokens_per_second(self) -> float:
@@ -151,10 +157,11 @@ def simulate(
     if mode == "gated" and gate is None:
         raise ValueError("mode='gated' needs gate=")
     code = COMPRESSION_CODES[compression]
-    tokens = time = 0.0
     gammas: list[int] = []
     kept: list[int] = []
+    per_text: list[tuple[float, float]] = []
     for text in texts:
+        tokens = time = 0.0
         state = OnlineFeatureState(compression, 0.0)
         matcher = ContextMatcher()
         ids = list(text.ids)
@@ -192,4 +199,93 @@ def simulate(
             first = False
             k += a + 1
             step += 1
-    return DenseResult(tokens, time, len(gammas), np.asarray(gammas), np.asarray(kept))
+        per_text.append((tokens, time))
+    return _result(gammas, kept, per_text)
+
+
+def _result(gammas: list[int], kept: list[int], per_text: list[tuple[float, float]]) -> DenseResult:
+    pt = np.asarray(per_text, dtype=np.float64).reshape(-1, 2)
+    return DenseResult(
+        float(pt[:, 0].sum()),
+        float(pt[:, 1].sum()),
+        len(gammas),
+        np.asarray(gammas),
+        np.asarray(kept),
+        pt[:, 0],
+        pt[:, 1],
+    )
+
+
+def hindsight_oracle(
+    texts: Sequence[DenseText], *, compression: str, cost: CostModel, max_gamma: int = 8
+) -> DenseResult:
+    """The fastest gammas in hindsight: the choices that minimise each text's priced time, by dynamic programming.
+
+    Knowing ``run`` at every position, a step at ``k`` drafting ``g`` reaches
+    ``k + min(g, run[k]) + 1`` (as in :func:`simulate`) at ``draft_ms(g) + verify_ms(g)``;
+    the shortest path over positions is the best any gamma policy can do on
+    these texts under ``cost`` (no probe, no decision cost). Priced like
+    :func:`simulate`: the first step of each text (the prefill) is left out.
+    """
+    code = COMPRESSION_CODES[compression]
+    price = [float(cost.draft_ms(g, code)) + float(cost.verify_ms(g, code)) for g in range(max_gamma + 1)]
+    gammas: list[int] = []
+    kept: list[int] = []
+    per_text: list[tuple[float, float]] = []
+    for text in texts:
+        n = text.generated
+        best = [0.0] * (n + 1)  # best[k]: least time from generated position k to the end
+        choice = [0] * n
+        for k in range(n - 1, -1, -1):
+            options = [(price[0] + best[k + 1], 0)]
+            for g in range(1, max_gamma + 1):
+                a = min(g, int(text.run[k]), n - k - 1)
+                options.append((price[g] + best[k + a + 1], g))
+            best[k], choice[k] = min(options)  # ties: the shorter draft
+        k, first, tok, tm = 0, True, 0.0, 0.0
+        while k < n:
+            g = choice[k]
+            a = min(g, int(text.run[k]), n - k - 1) if g > 0 else 0
+            if not first:
+                tok, tm = tok + a + 1, tm + price[g]
+                gammas.append(g)
+                kept.append(a)
+            first = False
+            k += a + 1
+        per_text.append((tok, tm))
+    return _result(gammas, kept, per_text)
+
+
+def simulate_hindsight(
+    texts: Sequence[DenseText],
+    choose: Callable[[DenseText, int], int],
+    *,
+    compression: str,
+    cost: CostModel,
+    max_gamma: int = 8,
+) -> DenseResult:
+    """Walk a rule that sees the text's outcomes (``choose(text, k) -> gamma``) and price it like :func:`simulate`.
+
+    No policy can run such a rule; it bounds what a signal is worth, e.g. a
+    perfect gate: ``lambda text, k: 3 if text.run[k] >= 1 else 0`` drafts
+    exactly where the draft's first token will be kept.
+    """
+    code = COMPRESSION_CODES[compression]
+    gammas: list[int] = []
+    kept: list[int] = []
+    per_text: list[tuple[float, float]] = []
+    for text in texts:
+        tokens = time = 0.0
+        k, first = 0, True
+        while k < text.generated:
+            g = max(0, min(int(choose(text, k)), max_gamma))
+            a = min(g, int(text.run[k]), text.generated - k - 1) if g > 0 else 0
+            if not first:
+                tokens += a + 1
+                time += float(cost.draft_ms(g, code)) + float(cost.verify_ms(g, code))
+                gammas.append(g)
+                kept.append(a)
+            first = False
+            k += a + 1
+        per_text.append((tokens, time))
+    return _result(gammas, kept, per_text)
