@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,114 @@ def test_a_hindsight_rule_is_walked_and_priced_like_a_policy():
         a = simulate_hindsight([text], gate, compression="fp32", cost=_cost())
         b = simulate([text], "fixed", lambda step, g=same: g, compression="fp32", cost=_cost())
         assert (a.tokens, a.time, a.gammas.tolist()) == (b.tokens, b.time, b.gammas.tolist())
+
+
+def test_draft_tokens_follow_the_text_then_the_drafts_own_branch():
+    # from position 1 the draft matches 2 tokens (positions 1, 2), proposes a wrong one at 3, then its branch
+    text = DenseText(
+        list(range(10, 18)),
+        2,
+        [0, 2, 1, 0, 0, 0],
+        [0.1, 0.9, 0.8, 0.3, 0.2, 0.6],
+        [1.0] * 6,
+        {3: ([0.7, 0.5], [2.0, 3.0])},
+    )
+    assert [text.draft_token(1, i)[0] for i in range(5)] == [0.9, 0.8, 0.3, 0.7, 0.5]
+    assert text.draft_token(1, 4) == (0.5, 3.0)
+    with pytest.raises(ValueError, match="follows a rejected token at 3: no branch data"):
+        text.draft_token(1, 5)
+    with pytest.raises(ValueError, match="follows a rejected token at 0"):
+        text.draft_token(0, 1)
+
+
+def test_per_token_mode_keeps_and_stops_as_the_hook_does():
+    """A stop rule: go on while the token's confidence is >= 0.5, keep a token >= 0.25 (1), drop one below (0)."""
+    conf = [0.9, 0.9, 0.9, 0.3, 0.9, 0.1, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    branches = {j: ([0.95] * 7, [0.1] * 7) for j in range(12)}
+    text = DenseText(list(range(60, 74)), 2, [3, 2, 1, 0, 1, 0, 3, 2, 1, 0, 0, 0], conf, [1.0] * 12, branches)
+
+    def rule(features):  # index 0: the token's confidence (the online feature set)
+        return 2 if features[0] >= 0.5 else 1 if features[0] >= 0.25 else 0
+
+    res = simulate([text], "per-token", rule, compression="fp32", cost=_cost(), max_gamma=5)
+    # k=0 (the prefill, left out): 0.9 0.9 0.9 (matches), 0.3 (the wrong token at 3): kept, stop; 3 kept.
+    # k=4: 0.9 (match), 0.1 (wrong, at 5): dropped, stop: gamma 1 of 2 drafted, kept.
+    # k=6: 0.9 0.9 0.9 (matches), 0.9 (wrong, at 9), then the draft's own branch 0.95: 5 (max_gamma), 3 kept.
+    # k=10: one token left in the budget: drafted and sent, rejected. k=11: nothing left to draft: a plain step.
+    assert res.gammas.tolist() == [1, 5, 1, 0] and res.accepted.tolist() == [1, 3, 0, 0]
+    assert res.tokens == 2 + 4 + 1 + 1
+    assert res.time == pytest.approx((5 + 11) + (11 + 15) + (3 + 11) + 10)  # drafted 2, 5, 1, 0; sent 1, 5, 1, 0
+    with pytest.raises(ValueError, match="no branch data"):
+        simulate([replace(text, branches=None)], "per-token", lambda f: 2, compression="fp32", cost=_cost())
+
+
+def test_per_token_mode_takes_the_hooks_own_steps_on_a_tiny_pair():
+    """Greedy generation through the hook in per-token mode with a confidence stop, against the simulation on
+    the target's text, the draft's teacher-forced pass and its branches after each wrong token: the same steps."""
+    from speckv_policy.features import draft_token_stats_from_logits
+    from speckv_policy.hf import attach
+
+    target, draft = tiny_llama_pair(seed=5, noise=0.05)
+    ids = torch.tensor([[1, 7, 3, 9, 4, 7, 3]])
+    n = 28
+    with torch.inference_mode():
+        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
+        own = draft(ref).logits[0][ids.shape[1] - 1 : -1]
+        conf, ent = draft_token_stats_from_logits(own)
+        cut = float(conf.median())
+
+        def stop_rule(features):  # keep and go on above the median confidence, else drop and stop
+            return 2 if features[0] > cut else 0
+
+        with attach(target, stop_rule, mode="per-token", feature_set="online", max_gamma=8) as h:
+            out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
+        plen, seq = ids.shape[1], ref[0].tolist()
+        proposals = own.argmax(-1).tolist()
+        branches = {}
+        for j, (mine, true) in enumerate(zip(proposals, seq[plen:])):
+            if mine != true:
+                g = draft.generate(
+                    torch.tensor([seq[: plen + j] + [mine]]),
+                    max_new_tokens=7,
+                    do_sample=False,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+                c, e = draft_token_stats_from_logits(torch.stack(g.scores, 1)[0])
+                branches[j] = (c.tolist(), e.tolist())
+    assert torch.equal(out, ref)
+    text = DenseText(seq, plen, match_runs(proposals, seq[plen:], 8), conf.tolist(), ent.tolist(), branches)
+    res = simulate([text], "per-token", stop_rule, compression="fp32", cost=_cost())
+    hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
+    assert list(zip(res.gammas.tolist(), res.accepted.tolist()))[: len(hook) - 1] == hook[: len(hook) - 1]
+    assert any(g > 1 for g, _ in hook) and any(g == 0 for g, _ in hook)
+
+
+def test_rule_mode_asks_and_tells_the_rule_and_keeps_it_across_texts():
+    from speckv_policy.evaluation.race import HFHeuristicSchedule
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int]] = []
+
+        def gamma(self) -> int:
+            return 1 + len(self.seen) % 3
+
+        def observe(self, gamma: int, accepted: int) -> None:
+            self.seen.append((gamma, accepted))
+
+    text = DenseText(list(range(10, 20)), 2, [2, 1, 0, 3, 2, 1, 0, 0], [0.5] * 8, [1.0] * 8)
+    rule = Recorder()
+    res = simulate([text, text], "rule", rule, compression="nf4", cost=_cost())
+    assert len(rule.seen) == res.steps + 2  # every step told, the two prefill steps included
+    assert [g for g, _ in rule.seen] == [1 + i % 3 for i in range(len(rule.seen))]  # the count runs on across texts
+    hf = HFHeuristicSchedule(start=3)
+    for g, a, expect in ((3, 3, 5), (5, 2, 4), (4, 0, 3), (3, 3, 5), (0, 0, 5)):
+        hf.observe(g, a)
+        assert hf.gamma() == expect
+    hf = HFHeuristicSchedule(start=1)
+    hf.observe(1, 0)
+    assert hf.gamma() == 1
 
 
 def test_simulate_reports_every_texts_totals():
@@ -202,12 +311,14 @@ def test_dense_greedy_benchmark_on_the_logs_heldout_prompts_without_a_race():
     # the second table: pooled, with paired bootstrap CIs and the oracle in hindsight
     ci = {r[2]: r for r in table_rows(stdout, "fp32") if r[1] == "all (2)"}
     assert {"oracle", "gbt-pre-repriced", "gbt-gated-repriced"} <= set(ci)
-    assert ci["oracle"][7] == "1.000" and float(ci["oracle"][4]) >= 1.0
+    assert {"adaedl", "sglang-adaptive", "vllm-dynamic", "hf-heuristic"} <= set(ci)  # the peers' rules
+    assert ci["oracle"][9] == "1.000" and float(ci["oracle"][4]) >= 1.0
+    assert ci[ci["oracle"][8]][7] == "1.000"  # the best peer against itself
     for arm in ("gbt-pre-repriced", "gbt-gated-repriced"):
         ratio, lo, hi = (float(v) for v in ci[arm][4].replace("[", "").replace("]", "").replace(",", " ").split())
         assert lo <= ratio <= hi
         assert ratio == pytest.approx(float(ci[arm][3]) / float(rows["target"][2]), abs=2e-3)
-        assert float(ci[arm][7]) <= 1.0
+        assert float(ci[arm][9]) <= 1.0
     # the third table: rules that know the first draft token's fate, bounded by the oracle; the signals' AUC
     bound = {r[1]: r for r in table_rows(stdout, "fp32") if r[1].startswith(("oracle in", "perfect gate"))}
     assert len(bound) == 5 and bound["oracle in hindsight"][5] == "1.000"

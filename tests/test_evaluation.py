@@ -11,6 +11,7 @@ import pytest
 
 from speckv_policy.cli import evaluate as eval_cli
 from speckv_policy.evaluation import (
+    Arm,
     EvalSet,
     evaluate,
     evaluation_set,
@@ -111,6 +112,24 @@ def test_best_fixed_in_bootstrap_is_rechosen_per_resample():
     res = _eval(rows, lambda X: np.full(len(X), 8), n_resamples=2000)
     b = res["bootstrap"]["overall"]["p"]["vs_best_fixed"]
     assert b["ci"][1] <= 1.0 + 1e-12
+
+
+def test_best_peer_in_bootstrap_is_rechosen_per_resample():
+    # two peer rules: fixed-0 on prompt a's terms, fixed-8 on b's; a policy equal to fixed-8 is 1.0x the best
+    # peer on the full sample only if fixed-8 is the best peer there, and never above 1 in any resample
+    rows = hand_rows(accepted=(0, 0, 8, 8), prompts=("a", "a", "b", "b"))
+    refs = reference_arms(rows, COST, 8)
+    by = {a.name: a for a in refs}
+    peers = [Arm("peer-0", by["fixed-0"].tokens, by["fixed-0"].time, by["fixed-0"].chosen, kind="peer")]
+    peers.append(Arm("peer-8", by["fixed-8"].tokens, by["fixed-8"].time, by["fixed-8"].chosen, kind="peer"))
+    mine = Arm("p", by["fixed-8"].tokens, by["fixed-8"].time, by["fixed-8"].chosen)
+    out = paired_bootstrap([*refs, *peers, mine], rows["prompt_id"].to_numpy(), np.ones(4, bool), n_resamples=2000)
+    b = out["p"]["vs_best_peer"]
+    full = {a.name: a.tokens.sum() / a.time.sum() for a in peers}
+    assert b["ratio"] == pytest.approx(mine.tokens.sum() / mine.time.sum() / max(full.values()))
+    assert b["ci"][1] <= 1.0 + 1e-12 and "vs_best_peer" not in out["peer-0"]
+    no_peers = paired_bootstrap([*refs, mine], rows["prompt_id"].to_numpy(), np.ones(4, bool), n_resamples=10)
+    assert "vs_best_peer" not in no_peers["p"]
 
 
 def test_groups_and_histogram():

@@ -25,8 +25,9 @@ runs with the real pair.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -39,9 +40,13 @@ __all__ = ["DenseText", "DenseResult", "hindsight_oracle", "match_runs", "simula
 #: How a simulated policy decides: ``'fixed'`` (``decide(step) -> gamma``), ``'pre'``
 #: (``decide(pre_values) -> gamma``), ``'gated'`` (``gate(gated_values) -> bool`` with the probe
 #: columns 0, as the hook asks it, then
-#: ``decide(gated_values) -> gamma`` after the probe token) or ``'upfront'``
-#: (``decide(online_features) -> gamma`` after the probe token).
-SIMULATED_MODES = ("fixed", "pre", "gated", "upfront")
+#: ``decide(gated_values) -> gamma`` after the probe token), ``'upfront'``
+#: (``decide(online_features) -> gamma`` after the probe token), ``'per-token'`` (after every draft
+#: token, ``decide(online_features of that token) -> g``: keep it if ``g >= 1``, go on if ``g >= 2``, as
+#: the hook's per-token mode; needs :attr:`DenseText.branches`) or ``'rule'`` (``decide`` is a history
+#: rule with ``gamma()`` and ``observe(gamma, accepted)``, e.g. the race's SGLang- and vLLM-style
+#: peers, kept across the texts as a server keeps it across requests).
+SIMULATED_MODES = ("fixed", "pre", "gated", "upfront", "per-token", "rule")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,12 @@ class DenseText:
         ``k`` on, equal the text (capped by the caller, e.g. at gamma_max).
     conf, entropy : sequence of float
         The draft's top-1 probability and entropy (nats) for generated position ``k``.
+    branches : mapping or None
+        ``branches[j]``, for every position ``j`` where the draft's proposal is
+        not the text's: the top-1 probabilities and entropies of the tokens the
+        draft would propose after its own token there (its greedy
+        continuation), as two sequences. Only ``'per-token'`` mode reads them:
+        a per-token rule may draft past the first rejected token.
     """
 
     ids: Sequence[int]
@@ -66,10 +77,27 @@ class DenseText:
     run: Sequence[int]
     conf: Sequence[float]
     entropy: Sequence[float]
+    branches: Mapping[int, tuple[Sequence[float], Sequence[float]]] | None = None
 
     @property
     def generated(self) -> int:
         return len(self.ids) - self.prompt_len
+
+    def draft_token(self, k: int, i: int) -> tuple[float, float]:
+        """Top-1 probability and entropy of token ``i`` (0-based) of a draft starting at generated position ``k``.
+
+        Raises
+        ------
+        ValueError
+            If the token lies after a rejected one and :attr:`branches` does not reach it.
+        """
+        r = int(self.run[k])
+        if i <= r:  # the draft still follows the text (or proposes its first wrong token, at k + r)
+            return float(self.conf[k + i]), float(self.entropy[k + i])
+        branch = None if self.branches is None else self.branches.get(k + r)
+        if branch is None or i - r - 1 >= len(branch[0]):
+            raise ValueError(f"draft token {i} from position {k} follows a rejected token at {k + r}: no branch data")
+        return float(branch[0][i - r - 1]), float(branch[1][i - r - 1])
 
 
 @dataclass(frozen=True)
@@ -117,7 +145,7 @@ def match_runs(proposals: Sequence[int], text: Sequence[int], cap: int) -> list[
 def simulate(
     texts: Sequence[DenseText],
     mode: str,
-    decide: Callable[..., int],
+    decide: Callable[..., int] | Any,
     *,
     compression: str,
     cost: CostModel,
@@ -133,8 +161,9 @@ def simulate(
     mode : {'fixed', 'pre', 'gated', 'upfront'}
         See :data:`SIMULATED_MODES`. Upfront and gated steps that read the
         probe token pay for it (one draft token) even when they then choose 0.
-    decide : callable
-        The policy's length decision for the mode's features.
+    decide : callable or rule
+        The policy's length decision for the mode's features (``'rule'``: an
+        object with ``gamma()`` and ``observe(gamma, accepted)``).
     compression : str
         Compression name (features and the cost model's row).
     cost : CostModel
@@ -169,8 +198,21 @@ def simulate(
         while k < text.generated:
             ctx = text.prompt_len + k
             probe = False
+            drafted = -1  # -1: as many as the step sends (or the probe)
             if mode == "fixed":
                 g = int(decide(step))
+            elif mode == "rule":
+                g = int(decide.gamma())
+            elif mode == "per-token":
+                g = drafted = 0
+                for i in range(min(max_gamma, text.generated - k - 1)):  # the hook drafts within the budget
+                    c, e = text.draft_token(k, i)
+                    d = int(decide(state.features(c, e, ctx + i).tolist()))
+                    drafted = i + 1
+                    if d >= 1:
+                        g = i + 1
+                    if d < 2:
+                        break
             elif mode == "upfront":
                 g, probe = int(decide(state.features(text.conf[k], text.entropy[k], ctx).tolist())), True
             else:
@@ -190,8 +232,11 @@ def simulate(
             a = min(g, text.run[k], text.generated - k - 1) if g > 0 else 0
             if g > 0:
                 state.update(g, a)
+            if mode == "rule":
+                decide.observe(g, a)
             if not first:  # the first step carries the prefill, which no per-step price covers
-                drafted = max(g, 1) if probe else g
+                if drafted < 0:
+                    drafted = max(g, 1) if probe else g
                 tokens += a + 1
                 time += float(cost.draft_ms(drafted, code)) + float(cost.verify_ms(g, code))
                 gammas.append(g)

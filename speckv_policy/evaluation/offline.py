@@ -178,7 +178,7 @@ class Arm:
     tokens: np.ndarray
     time: np.ndarray
     chosen: np.ndarray
-    kind: str = "policy"  # "policy", "oracle" or "fixed"
+    kind: str = "policy"  # "policy", "oracle", "fixed" or "peer" (another adaptive rule)
 
 
 def throughput(tokens: np.ndarray, time: np.ndarray, unit: str) -> float:
@@ -245,7 +245,7 @@ def paired_bootstrap(
     -------
     dict
         name -> {``tokens_per_second_ci``: [lo, hi], ``vs_fixed4``,
-        ``vs_best_fixed`` and ``vs_target``: {``ratio``, ``ci``, ``p_value``}} for policy arms
+        ``vs_best_fixed``, ``vs_target`` (and ``vs_best_peer``): {``ratio``, ``ci``, ``p_value``}} for policy arms
         (references get only their tokens/s interval). The p-value is two-sided
         for "ratio = 1": ``2 (1 + min(#ratio <= 1, #ratio >= 1)) / (B + 1)``,
         capped at 1.
@@ -275,16 +275,21 @@ def paired_bootstrap(
     fixed = [a.name for a in arms if a.kind == "fixed"]
     best_full = max(fixed, key=lambda n: full[n])
     best_each = np.max(np.column_stack([tps[n] for n in fixed]), axis=1)
+    references = [
+        ("vs_fixed4", full[fixed4], tps[fixed4]),
+        ("vs_best_fixed", full[best_full], best_each),
+        ("vs_target", full[TARGET_ALONE], tps[TARGET_ALONE]),
+    ]
+    peers = [a.name for a in arms if a.kind == "peer"]
+    if peers:
+        peer_each = np.max(np.column_stack([tps[n] for n in peers]), axis=1)
+        references.append(("vs_best_peer", max(full[n] for n in peers), peer_each))
     lo_q, hi_q = (1 - level) / 2, 1 - (1 - level) / 2
     out: dict[str, dict[str, Any]] = {}
     for a in arms:
         d: dict[str, Any] = {"tokens_per_second_ci": np.quantile(tps[a.name], [lo_q, hi_q]).tolist()}
         if a.kind == "policy":
-            for key, ref_full, ref_boot in (
-                ("vs_fixed4", full[fixed4], tps[fixed4]),
-                ("vs_best_fixed", full[best_full], best_each),
-                ("vs_target", full[TARGET_ALONE], tps[TARGET_ALONE]),
-            ):
+            for key, ref_full, ref_boot in references:
                 r = tps[a.name] / ref_boot
                 n_le, n_ge = int(np.sum(r <= 1.0)), int(np.sum(r >= 1.0))
                 d[key] = {

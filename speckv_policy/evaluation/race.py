@@ -171,6 +171,29 @@ def conditional_acceptance(log: Any, compression: str, max_gamma: int = 8) -> np
     return p
 
 
+class HFHeuristicSchedule:
+    """Hugging Face's ``heuristic`` schedule as a history rule (for the every-position replay; the race runs HF's code).
+
+    ``num_assistant_tokens_schedule="heuristic"`` in transformers'
+    ``AssistedCandidateGenerator``: +2 draft tokens after a step that kept
+    every draft token, -1 (at least 1) after any other, from ``start`` (20, as
+    the race's ``hf-heuristic`` arm starts it); the state carries over between
+    requests, as HF keeps it on the draft's generation config.
+    """
+
+    def __init__(self, start: int = 20) -> None:
+        self.value = int(start)
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        """A step that drafted ``gamma`` and kept ``accepted``; plain steps (gamma 0) do not occur under this rule."""
+        if gamma <= 0:
+            return
+        self.value = self.value + 2 if accepted == gamma else max(1, self.value - 1)
+
+    def gamma(self) -> int:
+        return self.value
+
+
 class ConstantGamma:
     """The fixed-gamma rule: always ``gamma``, whatever was accepted."""
 
