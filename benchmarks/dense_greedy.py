@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         target = SMOLLM2_MODELS.load_model(args.target, comp, "cpu")
         apply_linear_backend(target, args.target_linear)
         texts = []
+        eos = target.generation_config.eos_token_id
+        eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         with torch.inference_mode():
             for p in prompts:
                 x = torch.tensor([encode_prompt(p, tok)])
@@ -142,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                 proposals = own.argmax(-1).tolist()
                 branches = {}  # where the draft is wrong: what it would draft after its own token (per-token rules)
                 for j, (mine, true) in enumerate(zip(proposals, seq[plen:])):
-                    if mine != true:
+                    if mine != true and mine in eos:  # the lean loop stops after an end-of-sequence token
+                        branches[j] = ([], [])
+                    elif mine != true:
                         cont = draft.generate(
                             torch.tensor([seq[: plen + j] + [mine]]),
                             max_new_tokens=BRANCH,

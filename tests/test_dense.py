@@ -103,9 +103,8 @@ def test_draft_tokens_follow_the_text_then_the_drafts_own_branch():
     )
     assert [text.draft_token(1, i)[0] for i in range(5)] == [0.9, 0.8, 0.3, 0.7, 0.5]
     assert text.draft_token(1, 4) == (0.5, 3.0)
-    with pytest.raises(ValueError, match="follows a rejected token at 3: no branch data"):
-        text.draft_token(1, 5)
-    with pytest.raises(ValueError, match="follows a rejected token at 0"):
+    assert text.draft_token(1, 5) is None  # a branch that ends: the draft proposed its end-of-sequence token
+    with pytest.raises(ValueError, match="follows a rejected token at 0: no branch data"):
         text.draft_token(0, 1)
 
 
@@ -128,6 +127,16 @@ def test_per_token_mode_keeps_and_stops_as_the_hook_does():
     assert res.time == pytest.approx((5 + 11) + (11 + 15) + (3 + 11) + 10)  # drafted 2, 5, 1, 0; sent 1, 5, 1, 0
     with pytest.raises(ValueError, match="no branch data"):
         simulate([replace(text, branches=None)], "per-token", lambda f: 2, compression="fp32", cost=_cost())
+    # the draft stops after its end-of-sequence token: a wrong token that is one has an empty branch
+    ended = simulate(
+        [replace(text, branches={**branches, 9: ([], [])})],
+        "per-token",
+        rule,
+        compression="fp32",
+        cost=_cost(),
+        max_gamma=5,
+    )
+    assert ended.gammas.tolist() == [1, 4, 1, 0]  # k=6: 3 matches, the wrong (end) token at 9, then nothing
 
 
 def test_per_token_mode_takes_the_hooks_own_steps_on_a_tiny_pair():

@@ -68,8 +68,11 @@ class DenseText:
         ``branches[j]``, for every position ``j`` where the draft's proposal is
         not the text's: the top-1 probabilities and entropies of the tokens the
         draft would propose after its own token there (its greedy
-        continuation), as two sequences. Only ``'per-token'`` mode reads them:
-        a per-token rule may draft past the first rejected token.
+        continuation, as two sequences) up to the longest draft replayed, or
+        up to and including its end-of-sequence token, after which it stops
+        drafting (empty when its token there is that token). Only
+        ``'per-token'`` mode reads them: a per-token rule may draft past the
+        first rejected token.
     """
 
     ids: Sequence[int]
@@ -83,20 +86,25 @@ class DenseText:
     def generated(self) -> int:
         return len(self.ids) - self.prompt_len
 
-    def draft_token(self, k: int, i: int) -> tuple[float, float]:
+    def draft_token(self, k: int, i: int) -> tuple[float, float] | None:
         """Top-1 probability and entropy of token ``i`` (0-based) of a draft starting at generated position ``k``.
+
+        None where the draft has stopped before it (its end-of-sequence token
+        came earlier in its branch).
 
         Raises
         ------
         ValueError
-            If the token lies after a rejected one and :attr:`branches` does not reach it.
+            If the token lies after a rejected one and :attr:`branches` has no branch there.
         """
         r = int(self.run[k])
         if i <= r:  # the draft still follows the text (or proposes its first wrong token, at k + r)
             return float(self.conf[k + i]), float(self.entropy[k + i])
         branch = None if self.branches is None else self.branches.get(k + r)
-        if branch is None or i - r - 1 >= len(branch[0]):
+        if branch is None:
             raise ValueError(f"draft token {i} from position {k} follows a rejected token at {k + r}: no branch data")
+        if i - r - 1 >= len(branch[0]):
+            return None
         return float(branch[0][i - r - 1]), float(branch[1][i - r - 1])
 
 
@@ -206,8 +214,10 @@ def simulate(
             elif mode == "per-token":
                 g = drafted = 0
                 for i in range(min(max_gamma, text.generated - k - 1)):  # the hook drafts within the budget
-                    c, e = text.draft_token(k, i)
-                    d = int(decide(state.features(c, e, ctx + i).tolist()))
+                    token = text.draft_token(k, i)
+                    if token is None:  # the draft proposed its end-of-sequence token: it stops there
+                        break
+                    d = int(decide(state.features(token[0], token[1], ctx + i).tolist()))
                     drafted = i + 1
                     if d >= 1:
                         g = i + 1
