@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 + f"{'' if on_zero is None else f'{on_zero:.2f}'} | {r.tokens_per_second / base:.3f} |"
             )
         print(f"| {comp} | ({len(texts)} texts in {time.perf_counter() - t0:.0f} s) | | | | | | | | | | |")
-        for g in range(9):
+        res["fixed-0"] = res["target"]  # the bootstrap's name for the target alone
+        for g in range(1, 9):
             res.setdefault(f"fixed-{g}", simulate(texts, "fixed", lambda s, g=g: g, compression=comp, cost=cost))
         res["oracle"] = hindsight_oracle(texts, compression=comp, cost=cost)
         code = COMPRESSION_CODES[comp]

@@ -199,6 +199,8 @@ def test_rule_mode_asks_and_tells_the_rule_and_keeps_it_across_texts():
     res = simulate([text, text], "rule", rule, compression="nf4", cost=_cost())
     assert len(rule.seen) == res.steps + 2  # every step told, the two prefill steps included
     assert [g for g, _ in rule.seen] == [1 + i % 3 for i in range(len(rule.seen))]  # the count runs on across texts
+    with pytest.raises(ValueError, match="mode='rule' needs an object with gamma"):
+        simulate([text], "rule", lambda step: 2, compression="nf4", cost=_cost())
     hf = HFHeuristicSchedule(start=3)
     for g, a, expect in ((3, 3, 5), (5, 2, 4), (4, 0, 3), (3, 3, 5), (0, 0, 5)):
         hf.observe(g, a)

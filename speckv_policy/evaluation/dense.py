@@ -25,6 +25,7 @@ runs with the real pair.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -166,7 +167,7 @@ def simulate(
     Parameters
     ----------
     texts : sequence of DenseText
-    mode : {'fixed', 'pre', 'gated', 'upfront'}
+    mode : {'fixed', 'pre', 'gated', 'upfront', 'per-token', 'rule'}
         See :data:`SIMULATED_MODES`. Upfront and gated steps that read the
         probe token pay for it (one draft token) even when they then choose 0.
     decide : callable or rule
@@ -193,6 +194,8 @@ def simulate(
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(SIMULATED_MODES)}")
     if mode == "gated" and gate is None:
         raise ValueError("mode='gated' needs gate=")
+    if mode == "rule" and not (callable(getattr(decide, "gamma", None)) and callable(getattr(decide, "observe", None))):
+        raise ValueError(f"mode='rule' needs an object with gamma() and observe(gamma, accepted), got {decide!r}")
     code = COMPRESSION_CODES[compression]
     gammas: list[int] = []
     kept: list[int] = []
@@ -284,9 +287,7 @@ def hindsight_oracle(
     """
     code = COMPRESSION_CODES[compression]
     price = [float(cost.draft_ms(g, code)) + float(cost.verify_ms(g, code)) for g in range(max_gamma + 1)]
-    gammas: list[int] = []
-    kept: list[int] = []
-    per_text: list[tuple[float, float]] = []
+    plans = []
     for text in texts:
         n = text.generated
         best = [0.0] * (n + 1)  # best[k]: least time from generated position k to the end
@@ -297,18 +298,8 @@ def hindsight_oracle(
                 a = min(g, int(text.run[k]), n - k - 1)
                 options.append((price[g] + best[k + a + 1], g))
             best[k], choice[k] = min(options)  # ties: the shorter draft
-        k, first, tok, tm = 0, True, 0.0, 0.0
-        while k < n:
-            g = choice[k]
-            a = min(g, int(text.run[k]), n - k - 1) if g > 0 else 0
-            if not first:
-                tok, tm = tok + a + 1, tm + price[g]
-                gammas.append(g)
-                kept.append(a)
-            first = False
-            k += a + 1
-        per_text.append((tok, tm))
-    return _result(gammas, kept, per_text)
+        plans.append(choice)
+    return _walk(texts, [plan.__getitem__ for plan in plans], code, cost, max_gamma)
 
 
 def simulate_hindsight(
@@ -325,15 +316,22 @@ def simulate_hindsight(
     perfect gate: ``lambda text, k: 3 if text.run[k] >= 1 else 0`` drafts
     exactly where the draft's first token will be kept.
     """
-    code = COMPRESSION_CODES[compression]
+    rules = [functools.partial(choose, text) for text in texts]
+    return _walk(texts, rules, COMPRESSION_CODES[compression], cost, max_gamma)
+
+
+def _walk(
+    texts: Sequence[DenseText], rules: Sequence[Callable[[int], int]], code: int, cost: CostModel, max_gamma: int
+) -> DenseResult:
+    """Each text walked by its rule (``rule(k) -> gamma``, no features, no probe) and priced, the prefill left out."""
     gammas: list[int] = []
     kept: list[int] = []
     per_text: list[tuple[float, float]] = []
-    for text in texts:
+    for text, rule in zip(texts, rules):
         tokens = time = 0.0
         k, first = 0, True
         while k < text.generated:
-            g = max(0, min(int(choose(text, k)), max_gamma))
+            g = max(0, min(int(rule(k)), max_gamma))
             a = min(g, int(text.run[k]), text.generated - k - 1) if g > 0 else 0
             if not first:
                 tokens += a + 1
