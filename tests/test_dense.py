@@ -43,10 +43,10 @@ def test_simulate_walks_a_text_as_generation_would():
     text = DenseText(ids=list(range(100, 112)), prompt_len=2, run=run, conf=[0.5] * 10, entropy=[1.0] * 10)
     res = simulate([text], "fixed", lambda step: 2, compression="fp32", cost=_cost())
     # positions visited: 0 (keeps 2, the prefill step, not counted), 3 (keeps 1), 5 (0), 6 (2), 9 (the last
-    # position: nothing can be kept after it)
-    assert res.gammas.tolist() == [2, 2, 2, 2] and res.accepted.tolist() == [1, 0, 2, 0]
+    # position: the hook drafts nothing there, the last new token is the target's own)
+    assert res.gammas.tolist() == [2, 2, 2, 0] and res.accepted.tolist() == [1, 0, 2, 0]
     assert res.tokens == 2 + 1 + 3 + 1
-    assert res.time == pytest.approx(4 * (1 + 2 * 2 + 10 + 2))
+    assert res.time == pytest.approx(3 * (1 + 2 * 2 + 10 + 2) + 10)
     plain = simulate([text], "fixed", lambda step: 0, compression="fp32", cost=_cost())
     assert plain.steps == 9 and plain.tokens == 9 and plain.time == pytest.approx(9 * 10.0)
     with pytest.raises(ValueError, match="unknown mode"):
@@ -177,7 +177,7 @@ def test_per_token_mode_takes_the_hooks_own_steps_on_a_tiny_pair():
     text = DenseText(seq, plen, match_runs(proposals, seq[plen:], 8), conf.tolist(), ent.tolist(), branches)
     res = simulate([text], "per-token", stop_rule, compression="fp32", cost=_cost())
     hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
-    assert list(zip(res.gammas.tolist(), res.accepted.tolist()))[: len(hook) - 1] == hook[: len(hook) - 1]
+    assert list(zip(res.gammas.tolist(), res.accepted.tolist())) == hook  # every step, the last included
     assert any(g > 1 for g, _ in hook) and any(g == 0 for g, _ in hook)
 
 
@@ -198,7 +198,9 @@ def test_rule_mode_asks_and_tells_the_rule_and_keeps_it_across_texts():
     rule = Recorder()
     res = simulate([text, text], "rule", rule, compression="nf4", cost=_cost())
     assert len(rule.seen) == res.steps + 2  # every step told, the two prefill steps included
-    assert [g for g, _ in rule.seen] == [1 + i % 3 for i in range(len(rule.seen))]  # the count runs on across texts
+    # asked 1, 2, 3, 1, 2, 3, 1 (the count runs on across texts); told what the step drafted: nothing at a text's
+    # last position
+    assert [g for g, _ in rule.seen] == [1, 2, 3, 0, 2, 3, 0]
     with pytest.raises(ValueError, match="mode='rule' needs an object with gamma"):
         simulate([text], "rule", lambda step: 2, compression="nf4", cost=_cost())
     hf = HFHeuristicSchedule(start=3)
@@ -258,22 +260,23 @@ def test_simulate_reproduces_the_hooks_steps_on_a_tiny_pair():
     text = DenseText(seq, plen, match_runs(proposals, seq[plen:], 8), [0.5] * n, [1.0] * n)
     res = simulate([text], "pre", decide, compression="fp32", cost=_cost())
     hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
-    assert list(zip(res.gammas.tolist(), res.accepted.tolist()))[: len(hook) - 1] == hook[: len(hook) - 1]
+    assert list(zip(res.gammas.tolist(), res.accepted.tolist())) == hook  # every step, the last included
     assert any(g > 0 for g, _ in hook) and any(g == 0 for g, _ in hook)
 
 
-def test_dense_greedy_benchmark_on_the_real_pair():
-    """benchmarks/dense_greedy.py on two prompts of the shipped race at NF4: every arm priced, the race beside it."""
+def test_dense_replay_benchmark_on_the_real_pair():
+    """benchmarks/dense_replay.py on two prompts of the shipped race at NF4: every arm priced, the race beside it."""
     import json
 
-    stdout = run_benchmark("dense_greedy.py", "--compressions", "nf4", "--max-prompts", "2")
+    stdout = run_benchmark("dense_replay.py", "--compressions", "nf4", "--max-prompts", "2")
     rows = {r[1]: r for r in table_rows(stdout, "nf4") if len(r) == 12}  # the first table
     assert {"target", "fixed-2", "fixed-4", "gbt-repriced", "gbt-pre-repriced", "gbt-gated-repriced"} <= set(rows)
     assert float(rows["fixed-2"][3]) == pytest.approx(1.0) and float(rows["target"][4]) == pytest.approx(1.0)
     assert float(rows["target"][11]) == pytest.approx(1.0)  # x target alone, replayed at every position
     ratio = float(rows["gbt-pre-repriced"][2]) / float(rows["target"][2])
     assert float(rows["gbt-pre-repriced"][11]) == pytest.approx(ratio, abs=2e-3)
-    assert float(rows["fixed-2"][4]) == 0.0 and float(rows["fixed-2"][5]) > 1.0  # tokens per step
+    # gamma 0 only at a text's last position (nothing left to draft); tokens per step
+    assert 0.0 < float(rows["fixed-2"][4]) < 0.05 and float(rows["fixed-2"][5]) > 1.0
     race = json.loads((ROOT / "docs" / "onednn_quant_steps.json").read_text())
     first_two = sorted({r["prompt_id"] for r in race["runs"]})[:2]
     sel = [
@@ -313,8 +316,8 @@ def test_dense_train_benchmark_refits_the_shipped_export_exactly():
     assert "round 1:" in stdout
 
 
-def test_dense_greedy_benchmark_on_the_logs_heldout_prompts_without_a_race():
-    stdout = run_benchmark("dense_greedy.py", "--all-heldout", "--compressions", "fp32", "--max-prompts", "2")
+def test_dense_replay_benchmark_on_the_logs_heldout_prompts_without_a_race():
+    stdout = run_benchmark("dense_replay.py", "--all-heldout", "--compressions", "fp32", "--max-prompts", "2")
     assert stdout.startswith("2 held-out prompts of the log")
     rows = {r[1]: r for r in table_rows(stdout, "fp32") if len(r) == 12}  # the first table
     assert {"target", "fixed-2", "gbt-pre-repriced"} <= set(rows)
@@ -357,11 +360,89 @@ def test_bad_pairs_and_exports_get_a_clear_error():
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             export_arm_pairs(bad)
     for script, args, why in (
-        ("dense_greedy.py", ["--pairs", "exported/smollm2-paper-mlp16.onnx=p"], "feature set 'paper' has no"),
-        ("dense_greedy.py", ["--race", "nope.json"], "nope.json: no such file"),
+        ("dense_replay.py", ["--pairs", "exported/smollm2-paper-mlp16.onnx=p"], "feature set 'paper' has no"),
+        ("dense_replay.py", ["--race", "nope.json"], "nope.json: no such file"),
         ("online_offline.py", ["--costs", "nope.json"], "nope.json: no such file"),
     ):
         proc = subprocess.run(
             [sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, cwd=ROOT
         )
         assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1000:]
+
+
+def test_kept_runs_realize_and_pool():
+    from speckv_policy.evaluation.dense import kept_runs, pool_results, realize
+
+    assert kept_runs([True, True, False, True, True, True], 2) == [2, 1, 0, 2, 2, 1]
+    text = DenseText(list(range(10, 22)), 2, [0] * 10, [0.5] * 10, [1.0] * 10, accept_prob=[1.0] * 5 + [0.0] * 5)
+    (sure,) = realize([text], seed=3, cap=8)
+    assert list(sure.run) == [5, 4, 3, 2, 1, 0, 0, 0, 0, 0]  # probability 1 always kept, 0 never
+    half = replace(text, accept_prob=[0.5] * 10)
+    a, b = realize([half, half], seed=7, cap=8), realize([half, half], seed=7, cap=8)
+    assert [list(t.run) for t in a] == [list(t.run) for t in b]  # the same events for every arm that asks
+    assert list(a[0].run) != list(a[1].run) or list(a[0].run) != list(realize([half], seed=8, cap=8)[0].run)
+    draws = [realize([half] * 40, seed=s, cap=8) for s in range(20)]
+    kept = np.mean([t.run[k] >= 1 for d in draws for t in d for k in range(10)])
+    assert kept == pytest.approx(0.5, abs=0.03)  # 8,000 events
+    with pytest.raises(ValueError, match="text 0 has no accept_prob"):
+        realize([replace(text, accept_prob=None)], seed=0, cap=8)
+    r1 = simulate(a, "fixed", lambda s: 2, compression="int8", cost=_cost())
+    r2 = simulate(b, "fixed", lambda s: 1, compression="int8", cost=_cost())
+    both = pool_results([r1, r2])
+    assert both.tokens == r1.tokens + r2.tokens and both.steps == r1.steps + r2.steps
+    assert both.text_tokens.tolist() == (r1.text_tokens + r2.text_tokens).tolist()
+    assert both.gammas.tolist() == r1.gammas.tolist() + r2.gammas.tolist()
+    with pytest.raises(ValueError, match="different numbers of texts"):
+        pool_results([r1, simulate(a[:1], "fixed", lambda s: 2, compression="int8", cost=_cost())])
+
+
+def test_speculative_sampling_keeps_the_token_it_emits_with_probability_min_1_q_over_p():
+    """The identity the sampling replay rests on, checked by running speculative sampling at one position."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.25, 0.15, 0.1, 0.0])
+    q = np.array([0.2, 0.4, 0.1, 0.05, 0.25])
+    n = 400_000
+    x = rng.choice(5, size=n, p=q)
+    keep = rng.random(n) < np.minimum(1.0, p[x] / q[x])
+    residual = np.maximum(p - q, 0.0)
+    out = np.where(keep, x, rng.choice(5, size=n, p=residual / residual.sum()))
+    assert np.bincount(out, minlength=5) / n == pytest.approx(p, abs=0.004)  # lossless: the target's distribution
+    for t in range(4):
+        assert keep[out == t].mean() == pytest.approx(min(1.0, q[t] / p[t]), abs=0.01)
+
+
+def test_the_sampling_replay_matches_speculative_sampling_on_a_tiny_pair():
+    """Steps per text of fixed gamma 3 in sampling: the hook's own runs against the replay on texts the target
+    sampled alone, with its keep/reject events drawn from min(1, q / p). Events drawn from min(1, p / q) or from
+    q(t) alone land 18-30 standard errors away (checked when this test was written)."""
+    from speckv_policy.evaluation.dense import realize
+    from speckv_policy.hf import attach
+
+    target, draft = tiny_llama_pair(seed=11, noise=0.1)
+    ids = torch.tensor([[1, 7, 3, 9, 4, 7, 3]])
+    n, runs, temp = 16, 150, 0.7
+    kw = dict(max_new_tokens=n, do_sample=True, temperature=temp, top_k=0, top_p=1.0)
+    online = []
+    texts = []
+    with torch.inference_mode():
+        for seed in range(runs):
+            torch.manual_seed(seed)
+            with attach(target, mode="fixed", gamma_fn=lambda step: 3, max_gamma=3) as h:
+                target.generate(ids, assistant_model=draft, **kw)
+            online.append(len(h.stats) - 1)  # steps after the first (the prefill)
+            torch.manual_seed(10_000 + seed)
+            seq = target.generate(ids, **kw)
+            plen = ids.shape[1]
+            logp = (target(seq).logits[0, plen - 1 : -1] / temp).log_softmax(-1)
+            logq = (draft(seq).logits[0, plen - 1 : -1] / temp).log_softmax(-1)
+            t = seq[0, plen:].unsqueeze(-1)
+            accept = (logq.gather(-1, t) - logp.gather(-1, t)).exp().clamp(max=1.0).squeeze(-1)
+            m = seq.shape[1] - plen
+            texts.append(DenseText(seq[0].tolist(), plen, [0] * m, [0.5] * m, [1.0] * m, accept_prob=accept.tolist()))
+    replayed = [
+        simulate([t], "fixed", lambda s: 3, compression="fp32", cost=_cost()).steps for t in realize(texts, 0, 8)
+    ]
+    online_a, replay_a = np.asarray(online, float), np.asarray(replayed, float)
+    se = np.sqrt(online_a.var() / len(online_a) + replay_a.var() / len(replay_a))
+    assert online_a.mean() < 0.9 * n  # speculation saves steps: the check has teeth
+    assert abs(online_a.mean() - replay_a.mean()) < 4 * se, (online_a.mean(), replay_a.mean(), se)

@@ -8,8 +8,8 @@
 * :mod:`~speckv_policy.evaluation.synthetic`: SYNTHETIC logs with known truth;
 * :mod:`~speckv_policy.evaluation.race`: the end-to-end wall-clock race's arms,
   summaries and report (run by :mod:`speckv_policy.hf.race`).
-* :mod:`~speckv_policy.evaluation.dense`: greedy generation replayed at every
-  position of the target's own text (``benchmarks/dense_greedy.py``).
+* :mod:`~speckv_policy.evaluation.dense`: generation (greedy or sampling) replayed at every
+  position of the target's own text (``benchmarks/dense_replay.py``).
 """
 
 from .offline import (

@@ -1,4 +1,4 @@
-"""Greedy generation replayed at every position: what a policy does online, without running the models again.
+"""Generation replayed at every position: what a policy does online, without running the models again.
 
 A step log (``speckv-profile``) records one step per speculation step of a
 profiling run that drafted ``gamma_max`` tokens every time, so it knows every
@@ -19,7 +19,15 @@ plus one, update the history, price the step with a cost model.
 (Bitsandbytes' INT8 / NF4 multi-token passes are not bit-identical to single
 steps, so there a generation's text can differ at near ties.)
 
-This module is numpy only; ``benchmarks/dense_greedy.py`` computes the texts and
+Sampling is lossless too: whatever the gammas, the text is a sample of the
+target's own distribution. Given such a text, speculative sampling keeps the
+draft's token at position ``k`` with probability ``min(1, q(t_k) / p(t_k))``
+(it emits ``t_k`` either by keeping a draft token equal to it, probability
+``min(p, q)(t_k)``, or by resampling, for ``p(t_k)`` in all), independently
+at every position. :func:`realize` draws those events, the same for every
+policy, and the walk is the greedy one; replications average over the draws.
+
+This module is numpy only; ``benchmarks/dense_replay.py`` computes the texts and
 runs with the real pair.
 """
 
@@ -27,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,7 +44,17 @@ from ..features import ContextMatcher, OnlineFeatureState, gated_values
 from ..objective import CostModel
 from ..schema import COMPRESSION_CODES
 
-__all__ = ["DenseText", "DenseResult", "hindsight_oracle", "match_runs", "simulate", "simulate_hindsight"]
+__all__ = [
+    "DenseResult",
+    "DenseText",
+    "hindsight_oracle",
+    "kept_runs",
+    "match_runs",
+    "pool_results",
+    "realize",
+    "simulate",
+    "simulate_hindsight",
+]
 
 #: How a simulated policy decides: ``'fixed'`` (``decide(step) -> gamma``), ``'pre'``
 #: (``decide(pre_values) -> gamma``), ``'gated'`` (``gate(gated_values) -> bool`` with the probe
@@ -73,7 +91,15 @@ class DenseText:
         up to and including its end-of-sequence token, after which it stops
         drafting (empty when its token there is that token). Only
         ``'per-token'`` mode reads them: a per-token rule may draft past the
-        first rejected token.
+        first rejected token. In sampling, one such continuation per position
+        where the draft's token can be rejected (see :attr:`accept_prob`).
+    accept_prob : sequence of float or None
+        Sampling only: ``accept_prob[k] = min(1, q(t_k) / p(t_k))``, the probability
+        that speculative sampling keeps the draft's token at generated position
+        ``k`` given that the text there is ``t_k`` (``p``, ``q``: the target's and
+        the draft's processed next-token distributions given the text before
+        ``k``). The text is a sample of the target's own; :func:`realize` draws
+        the keep/reject events and sets :attr:`run` from them.
     """
 
     ids: Sequence[int]
@@ -82,6 +108,7 @@ class DenseText:
     conf: Sequence[float]
     entropy: Sequence[float]
     branches: Mapping[int, tuple[Sequence[float], Sequence[float]]] | None = None
+    accept_prob: Sequence[float] | None = None
 
     @property
     def generated(self) -> int:
@@ -140,15 +167,72 @@ def match_runs(proposals: Sequence[int], text: Sequence[int], cap: int) -> list[
     """
     if len(proposals) != len(text):
         raise ValueError(f"{len(proposals)} proposals for {len(text)} text tokens")
+    return kept_runs([a == b for a, b in zip(proposals, text)], cap)
+
+
+def kept_runs(kept: Sequence[bool], cap: int) -> list[int]:
+    """``run[k]``: how many of ``kept[k], kept[k + 1], ...`` are true in a row, at most ``cap``."""
     if cap < 0:
         raise ValueError(f"cap must be >= 0, got {cap}")
-    n = len(text)
+    n = len(kept)
     run = [0] * n
     streak = 0
-    for k in range(n - 1, -1, -1):  # from the end: run[k] = 1 + run[k + 1] on a match
-        streak = streak + 1 if proposals[k] == text[k] else 0
+    for k in range(n - 1, -1, -1):  # from the end: run[k] = 1 + run[k + 1] on a kept token
+        streak = streak + 1 if kept[k] else 0
         run[k] = min(streak, cap)
     return run
+
+
+def realize(texts: Sequence[DenseText], seed: int, cap: int) -> list[DenseText]:
+    """Sampled texts with their keep/reject events drawn: one replication of speculative sampling along them.
+
+    Given a text sampled from the target, speculative sampling keeps the draft's
+    token at position ``k`` with probability ``accept_prob[k]``, independently
+    of every other position (the draft's proposal and the verifier's coin are
+    fresh at each position; the text fixes what came before). One uniform per
+    position, ``u[k] < accept_prob[k]``, gives every policy the same events
+    (common random numbers): a paired comparison, and a valid draw for each
+    policy since a walk asks about each position at most once.
+
+    Parameters
+    ----------
+    texts : sequence of DenseText
+        With :attr:`DenseText.accept_prob`.
+    seed : int
+        Replication; text ``i`` draws from ``numpy.random.default_rng([seed, i])``.
+    cap : int
+        Cap on the runs, as in :func:`match_runs`.
+
+    Returns
+    -------
+    list of DenseText
+        The texts with :attr:`DenseText.run` from the drawn events.
+    """
+    out = []
+    for i, text in enumerate(texts):
+        if text.accept_prob is None or len(text.accept_prob) != text.generated:
+            raise ValueError(f"text {i} has no accept_prob for its {text.generated} generated tokens")
+        u = np.random.default_rng([seed, i]).random(text.generated)
+        out.append(replace(text, run=kept_runs((u < np.asarray(text.accept_prob)).tolist(), cap)))
+    return out
+
+
+def pool_results(results: Sequence[DenseResult]) -> DenseResult:
+    """One result from replications over the same texts: totals summed, per-text totals summed text by text."""
+    if not results:
+        raise ValueError("no results to pool")
+    n = {len(r.text_tokens) for r in results}
+    if len(n) != 1:
+        raise ValueError(f"replications over different numbers of texts: {sorted(n)}")
+    return DenseResult(
+        sum(r.tokens for r in results),
+        sum(r.time for r in results),
+        sum(r.steps for r in results),
+        np.concatenate([r.gammas for r in results]),
+        np.concatenate([r.accepted for r in results]),
+        np.sum([r.text_tokens for r in results], axis=0),
+        np.sum([r.text_time for r in results], axis=0),
+    )
 
 
 def simulate(
@@ -161,8 +245,9 @@ def simulate(
     gate: Callable[[list[float]], bool] | None = None,
     max_gamma: int = 8,
     visited: list[tuple[list[float], int, int]] | None = None,
+    temperature: float = 0.0,
 ) -> DenseResult:
-    """Walk a policy through greedy texts the way generation would, and price its steps.
+    """Walk a policy through texts (greedy, or sampled and :func:`realize`-d) the way generation would; price its steps.
 
     Parameters
     ----------
@@ -170,6 +255,8 @@ def simulate(
     mode : {'fixed', 'pre', 'gated', 'upfront', 'per-token', 'rule'}
         See :data:`SIMULATED_MODES`. Upfront and gated steps that read the
         probe token pay for it (one draft token) even when they then choose 0.
+        As in the hook, no step drafts more than the tokens left but one (the
+        last new token is always the target's own), probe included.
     decide : callable or rule
         The policy's length decision for the mode's features (``'rule'``: an
         object with ``gamma()`` and ``observe(gamma, accepted)``).
@@ -185,6 +272,8 @@ def simulate(
         ``'pre'`` mode: if given, every decision appends ``(pre_values, run[k], known)``
         (``known``: the longest draft whose outcome the text decides there), i.e. the
         states the policy meets, labelled like a step log's ``(accepted, drafted)``.
+    temperature : float, default=0.0
+        The sampling temperature the features carry (0: greedy).
 
     Returns
     -------
@@ -202,7 +291,7 @@ def simulate(
     per_text: list[tuple[float, float]] = []
     for text in texts:
         tokens = time = 0.0
-        state = OnlineFeatureState(compression, 0.0)
+        state = OnlineFeatureState(compression, temperature)
         matcher = ContextMatcher()
         ids = list(text.ids)
         k, first, step, synced = 0, True, 0, 0
@@ -241,8 +330,10 @@ def simulate(
                     g, probe = int(decide(gated_values(pre, text.conf[k], text.entropy[k]))), True
                 else:
                     g = 0
-            g = max(0, min(g, max_gamma))
-            a = min(g, text.run[k], text.generated - k - 1) if g > 0 else 0
+            budget = text.generated - k - 1  # the hook never drafts past the last new token
+            g = max(0, min(g, max_gamma, budget))
+            probe = probe and budget > 0
+            a = min(g, text.run[k]) if g > 0 else 0
             if g > 0:
                 state.update(g, a)
             if mode == "rule":
@@ -279,8 +370,9 @@ def hindsight_oracle(
 ) -> DenseResult:
     """The fastest gammas in hindsight: the choices that minimise each text's priced time, by dynamic programming.
 
-    Knowing ``run`` at every position, a step at ``k`` drafting ``g`` reaches
-    ``k + min(g, run[k]) + 1`` (as in :func:`simulate`) at ``draft_ms(g) + verify_ms(g)``;
+    Knowing ``run`` at every position, a step at ``k`` drafting ``g`` (at most the
+    tokens left but one, as in :func:`simulate`) reaches ``k + min(g, run[k]) + 1``
+    at ``draft_ms(g) + verify_ms(g)``;
     the shortest path over positions is the best any gamma policy can do on
     these texts under ``cost`` (no probe, no decision cost). Priced like
     :func:`simulate`: the first step of each text (the prefill) is left out.
@@ -294,8 +386,8 @@ def hindsight_oracle(
         choice = [0] * n
         for k in range(n - 1, -1, -1):
             options = [(price[0] + best[k + 1], 0)]
-            for g in range(1, max_gamma + 1):
-                a = min(g, int(text.run[k]), n - k - 1)
+            for g in range(1, min(max_gamma, n - k - 1) + 1):
+                a = min(g, int(text.run[k]))
                 options.append((price[g] + best[k + a + 1], g))
             best[k], choice[k] = min(options)  # ties: the shorter draft
         plans.append(choice)
@@ -331,8 +423,8 @@ def _walk(
         tokens = time = 0.0
         k, first = 0, True
         while k < text.generated:
-            g = max(0, min(int(rule(k)), max_gamma))
-            a = min(g, int(text.run[k]), text.generated - k - 1) if g > 0 else 0
+            g = max(0, min(int(rule(k)), max_gamma, text.generated - k - 1))
+            a = min(g, int(text.run[k])) if g > 0 else 0
             if not first:
                 tokens += a + 1
                 time += float(cost.draft_ms(g, code)) + float(cost.verify_ms(g, code))

@@ -1,11 +1,15 @@
-"""Greedy generation replayed at every position, set beside a race: a faithful offline evaluator for greedy decoding.
+"""Generation replayed at every position, set beside a race: a faithful offline evaluator, greedy or sampling.
 
 Usage:
-    python benchmarks/dense_greedy.py [--race docs/onednn_quant_steps.json] [--costs docs/onednn_quant_costs.json]
+    python benchmarks/dense_replay.py [--race docs/onednn_quant_steps.json] [--costs docs/onednn_quant_costs.json]
+        [--all-heldout] [--decoding greedy|sampling] [--replications 16]
 
 For each compression level of the race (or ``--compressions``) and each of its held-out prompts, the target writes
 its greedy continuation once (plain ``generate``) and the draft reads it once (a teacher-forced pass), which gives
-the outcome of a draft of any length at every position (``speckv_policy.evaluation.dense``). Every arm is then
+the outcome of a draft of any length at every position (``speckv_policy.evaluation.dense``). With ``--decoding
+sampling`` the target samples its continuation instead (temperature 0.7 as the race) and the two passes give, at
+every position, the chance that speculative sampling keeps the draft's token there; every arm then walks the same
+``--replications`` draws of those keep/reject events, pooled. Every arm is then
 walked through those texts the way generation would walk it (decide, keep what matches, advance, update the
 history) and priced with the calibration. Beside each arm: what the step-log replay (``speckv-eval``'s evaluator, on
 the same prompts) and the race measured, as tokens/s and as a ratio to fixed gamma 2.
@@ -21,6 +25,7 @@ perfect gate, then a fixed gamma), and how well the signals a policy has predict
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from dataclasses import replace
@@ -49,8 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=export_arm_pairs, default=DEFAULT_PAIRS, help="comma-separated EXPORT=RACE_ARM")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--draft", default="datasets/smollm2/draft")
+    ap.add_argument("--decoding", choices=("greedy", "sampling"), default="greedy")
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (the race's default)")
+    ap.add_argument("--replications", type=int, default=16, help="sampling: draws of the keep/reject events per text")
+    ap.add_argument("--seed", type=int, default=0, help="sampling: seeds the texts, the branches and the draws")
     add_target_linear_argument(ap)
     args = ap.parse_args(argv)
+    if args.decoding == "sampling" and not (args.temperature > 0 and args.replications >= 1):
+        ap.error("--decoding sampling needs --temperature > 0 and --replications >= 1")
     import os
 
     for f in [args.costs, args.log, args.prompts] + ([] if args.all_heldout else [args.race]):
@@ -62,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from speckv_policy.cli.evaluate import load_for_eval
     from speckv_policy.evaluation import evaluation_set, priced_arms
-    from speckv_policy.evaluation.dense import DenseText, hindsight_oracle, match_runs, simulate, simulate_hindsight
+    from speckv_policy.evaluation.dense import (
+        hindsight_oracle,
+        pool_results,
+        realize,
+        simulate,
+        simulate_hindsight,
+    )
     from speckv_policy.evaluation.race import (
         HFHeuristicSchedule,
         SGLangStyleSteps,
@@ -70,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         adaedl_policy,
         conditional_acceptance,
     )
-    from speckv_policy.features import draft_token_stats_from_logits
     from speckv_policy.hf.models import draft_precision
     from speckv_policy.hf.onednn import apply_linear_backend
     from speckv_policy.logs import read_log
@@ -114,9 +130,16 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = SMOLLM2_MODELS.load_tokenizer(args.target)
     draft = SMOLLM2_MODELS.load_model(args.draft, draft_precision("cpu", "auto"), "cpu")
+    sampling = args.decoding == "sampling"
+    temp = args.temperature if sampling else 0.0
+    how = (
+        f"sampling at temperature {temp:g}, {args.replications} draws of the keep/reject events per text"
+        if sampling
+        else "greedy"
+    )
     print(
-        f"{len(prompts)} held-out prompts of {'the log' if args.all_heldout else args.race}, {n_new} new tokens, greedy; priced with {args.costs}; "
-        "tokens/s over every step after the prefill; online = the race's runs pooled\n"
+        f"{len(prompts)} held-out prompts of {'the log' if args.all_heldout else args.race}, {n_new} new tokens, {how}; "
+        f"priced with {args.costs}; tokens/s over every step after the prefill; online = the race's runs pooled\n"
     )
     print(
         "| level | arm | replayed at every position: tok/s | x fixed-2 | gamma-0 share | tokens/step "
@@ -130,53 +153,44 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         target = SMOLLM2_MODELS.load_model(args.target, comp, "cpu")
         apply_linear_backend(target, args.target_linear)
-        texts = []
         eos = target.generation_config.eos_token_id
         eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         with torch.inference_mode():
-            for p in prompts:
-                x = torch.tensor([encode_prompt(p, tok)])
-                out = target.generate(x, max_new_tokens=n_new, do_sample=False, pad_token_id=tok.eos_token_id)
-                logits = draft(out, logits_to_keep=0).logits[0].float()  # row i predicts token i + 1
-                plen, seq = x.shape[1], out[0].tolist()
-                own = logits[plen - 1 : len(seq) - 1]
-                conf, ent = draft_token_stats_from_logits(own)
-                proposals = own.argmax(-1).tolist()
-                branches = {}  # where the draft is wrong: what it would draft after its own token (per-token rules)
-                for j, (mine, true) in enumerate(zip(proposals, seq[plen:])):
-                    if mine != true and mine in eos:  # the lean loop stops after an end-of-sequence token
-                        branches[j] = ([], [])
-                    elif mine != true:
-                        cont = draft.generate(
-                            torch.tensor([seq[: plen + j] + [mine]]),
-                            max_new_tokens=BRANCH,
-                            do_sample=False,
-                            output_scores=True,
-                            return_dict_in_generate=True,
-                            pad_token_id=tok.eos_token_id,
-                        )
-                        c, e = draft_token_stats_from_logits(torch.stack(cont.scores, 1)[0].float())
-                        branches[j] = (c.tolist(), e.tolist())
-                runs = match_runs(proposals, seq[plen:], RUN_CAP)
-                texts.append(DenseText(seq, plen, runs, conf.tolist(), ent.tolist(), branches))
+            encoded = [torch.tensor([encode_prompt(p, tok)]) for p in prompts]
+            if sampling:
+                texts = _sampled_texts(target, draft, encoded, eos, n_new, temp, args.seed, tok.eos_token_id)
+            else:
+                texts = _greedy_texts(target, draft, encoded, eos, n_new, tok.eos_token_id)
         del target
+        # greedy: the text decides every outcome; sampling: replications of the keep/reject events, the same for every arm
+        draws = (
+            [realize(texts, args.seed * 1000 + r, RUN_CAP) for r in range(args.replications)] if sampling else [texts]
+        )
+
+        def over(walk, *args, draws=draws, **kw):
+            """``walk(texts, *args, **kw)`` on every draw, pooled."""
+            return pool_results([walk(d, *args, **kw) for d in draws])
+
         arms = {"target": ("fixed", lambda s: 0, None), "fixed-2": ("fixed", lambda s: 2, None)}
         arms["fixed-4"] = ("fixed", lambda s: 4, None)
         for arm, (rt, mode) in exports.items():
             arms[arm] = (mode, rt.decide, rt.decide_gate if mode == "gated" else None)
-        res = {a: simulate(texts, m, d, compression=comp, cost=cost, gate=g) for a, (m, d, g) in arms.items()}
-        mask = (es.rows["compression"] == comp).to_numpy() & (es.rows["decoding"] == "greedy").to_numpy()
+        priced = dict(compression=comp, cost=cost)
+        res = {a: over(simulate, m, f, gate=g, temperature=temp, **priced) for a, (m, f, g) in arms.items()}
+        mask = (es.rows["compression"] == comp).to_numpy() & (es.rows["decoding"] == args.decoding).to_numpy()
         mask &= es.rows["prompt_id"].isin([p.id for p in prompts]).to_numpy()
 
-        sel = [r for r in race["runs"] if r["compression"] == comp and r["decoding"] == "greedy"]
+        sel = [r for r in race["runs"] if r["compression"] == comp and r["decoding"] == args.decoding]
         sel = [r for r in sel if r["prompt_id"] in {p.id for p in prompts}]
         f2, base = res["fixed-2"].tokens_per_second, res["target"].tokens_per_second
         on_f2 = _online(sel, "fixed-2")[0] if sel else float("nan")
         for a, r in res.items():
             on_rate, on_zero = _online(sel, a)
             name = "fixed-0" if a == "target" else a  # the step-log replay's name for the target alone
-            ratio = _replay_rate(replay[name], mask) / _replay_rate(replay["fixed-2"], mask)
-            rep = f"{ratio:.3f} | {np.mean(replay[name].chosen[mask] == 0):.2f}"
+            rep = " | "  # the log profiled these prompts in this decoding? (sampling: 15 of the 48 held-out ones)
+            if mask.any():
+                ratio = _replay_rate(replay[name], mask) / _replay_rate(replay["fixed-2"], mask)
+                rep = f"{ratio:.3f} | {np.mean(replay[name].chosen[mask] == 0):.2f}"
             print(
                 f"| {comp} | {a} | {r.tokens_per_second:.2f} | {r.tokens_per_second / f2:.3f} | "
                 f"{np.mean(r.gammas == 0):.2f} | {r.tokens / r.steps:.2f} | {rep} | "
@@ -186,32 +200,116 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {comp} | ({len(texts)} texts in {time.perf_counter() - t0:.0f} s) | | | | | | | | | | |")
         res["fixed-0"] = res["target"]  # the bootstrap's name for the target alone
         for g in range(1, 9):
-            res.setdefault(f"fixed-{g}", simulate(texts, "fixed", lambda s, g=g: g, compression=comp, cost=cost))
-        res["oracle"] = hindsight_oracle(texts, compression=comp, cost=cost)
+            res.setdefault(f"fixed-{g}", over(simulate, "fixed", lambda s, g=g: g, **priced))
+        res["oracle"] = over(hindsight_oracle, **priced)
         code = COMPRESSION_CODES[comp]
-        vllm = VLLMStyleDynamic(conditional_acceptance(log, comp), cost.time_table(np.arange(9))[code])
+        vllm = functools.partial(
+            VLLMStyleDynamic, conditional_acceptance(log, comp), cost.time_table(np.arange(9))[code]
+        )
+
+        def rule(make, cap=8, priced=priced, draws=draws):
+            """A history rule made afresh for every draw, kept across its texts."""
+            runs = [simulate(d, "rule", make(), max_gamma=cap, temperature=temp, **priced) for d in draws]
+            return pool_results(runs)
+
         peers = {  # the race's peer rules, each kept across the texts as the race keeps it across a block's prompts
-            "adaedl": simulate(texts, "per-token", adaedl_policy, compression=comp, cost=cost),
-            "sglang-adaptive": simulate(texts, "rule", SGLangStyleSteps(), compression=comp, cost=cost),
-            "vllm-dynamic": simulate(texts, "rule", vllm, compression=comp, cost=cost),
-            "hf-heuristic": simulate(
-                texts, "rule", HFHeuristicSchedule(), compression=comp, cost=cost, max_gamma=RUN_CAP
-            ),
+            "adaedl": over(simulate, "per-token", adaedl_policy, temperature=temp, **priced),
+            "sglang-adaptive": rule(SGLangStyleSteps),
+            "vllm-dynamic": rule(vllm),
+            "hf-heuristic": rule(HFHeuristicSchedule, RUN_CAP),
         }
         res.update(peers)
         ci_tables.append(
             _ci_table(comp, res, list(exports), list(peers), [p.task_type for p in prompts], [p.id for p in prompts])
         )
         bound = {
-            f"perfect gate, then fixed-{g}": simulate_hindsight(
-                texts, lambda t, k, g=g: g if t.run[k] >= 1 else 0, compression=comp, cost=cost
-            )
+            f"perfect gate, then fixed-{g}": over(simulate_hindsight, functools.partial(_perfect_gate, g), **priced)
             for g in range(1, 5)
         }
-        headroom.append(_headroom(comp, texts, res, bound, exports))
+        headroom.append(_headroom(comp, [t for d in draws for t in d], res, bound, exports))
     print("\n".join(ci_tables))
     print("\n".join(headroom))
     return 0
+
+
+def _perfect_gate(gamma: int, text, k: int) -> int:
+    """Draft ``gamma`` exactly where the draft's first token will be kept (a rule no policy can run)."""
+    return gamma if text.run[k] >= 1 else 0
+
+
+def _greedy_texts(target, draft, encoded: list, eos: set, n_new: int, pad: int) -> list:
+    """Each prompt's greedy continuation, the draft's teacher-forced proposals and its branches after wrong ones."""
+
+    from speckv_policy.evaluation.dense import DenseText, match_runs
+    from speckv_policy.features import draft_token_stats_from_logits
+
+    texts = []
+    for x in encoded:
+        out = target.generate(x, max_new_tokens=n_new, do_sample=False, pad_token_id=pad)
+        logits = draft(out, logits_to_keep=0).logits[0].float()  # row i predicts token i + 1
+        plen, seq = x.shape[1], out[0].tolist()
+        own = logits[plen - 1 : len(seq) - 1]
+        conf, ent = draft_token_stats_from_logits(own)
+        proposals = own.argmax(-1).tolist()
+        branches = {}  # where the draft is wrong: what it would draft after its own token (per-token rules)
+        for j, (mine, true) in enumerate(zip(proposals, seq[plen:])):
+            if mine != true:
+                branches[j] = _branch(draft, seq[: plen + j] + [mine], eos, pad, None)
+        runs = match_runs(proposals, seq[plen:], RUN_CAP)
+        texts.append(DenseText(seq, plen, runs, conf.tolist(), ent.tolist(), branches))
+    return texts
+
+
+def _sampled_texts(target, draft, encoded: list, eos: set, n_new: int, temp: float, seed: int, pad: int) -> list:
+    """Each prompt's sampled continuation, the chance the draft's token is kept at each position given it, and
+    where it can be rejected, the draft's own sampled continuation after a rejected token.
+
+    The draft's token at a rejected position is distributed as ``max(0, q - p)`` normalised (speculative sampling's
+    rejected proposals); ``p`` and ``q`` are the target's and the draft's distributions at ``temp`` (top-k and top-p
+    off, as the race samples)."""
+    import torch
+
+    from speckv_policy.evaluation.dense import DenseText
+    from speckv_policy.features import draft_token_stats_from_logits
+
+    texts = []
+    for i, x in enumerate(encoded):
+        torch.manual_seed(seed * 100_003 + i)
+        kw = dict(do_sample=True, temperature=temp, top_p=1.0, top_k=0, pad_token_id=pad)
+        out = target.generate(x, max_new_tokens=n_new, **kw)
+        plen, seq = x.shape[1], out[0].tolist()
+        logp = (target(out).logits[0, plen - 1 : len(seq) - 1].float() / temp).log_softmax(-1)
+        zq = draft(out, logits_to_keep=0).logits[0, plen - 1 : len(seq) - 1].float() / temp
+        logq = zq.log_softmax(-1)
+        t = torch.tensor(seq[plen:]).unsqueeze(-1)
+        accept = (logq.gather(-1, t) - logp.gather(-1, t)).exp().clamp(max=1.0).squeeze(-1)  # min(1, q(t) / p(t))
+        conf, ent = draft_token_stats_from_logits(zq)
+        branches = {}
+        for j in torch.nonzero(accept < 1).flatten().tolist():
+            residual = (logq[j].exp() - logp[j].exp()).clamp_min(0.0)
+            rejected = int(torch.multinomial(residual / residual.sum(), 1))
+            branches[j] = _branch(draft, seq[: plen + j] + [rejected], eos, pad, kw)
+        texts.append(
+            DenseText(seq, plen, [0] * (len(seq) - plen), conf.tolist(), ent.tolist(), branches, accept.tolist())
+        )
+    return texts
+
+
+def _branch(draft, ids: list, eos: set, pad: int, sampling: dict | None) -> tuple[list, list]:
+    """Confidences and entropies of what the draft proposes after ``ids`` (its last token its own), up to BRANCH
+    tokens or its end-of-sequence token; nothing after an end-of-sequence token (the lean loop stops there)."""
+    import torch
+
+    from speckv_policy.features import draft_token_stats_from_logits
+
+    if ids[-1] in eos:
+        return [], []
+    kw = dict(sampling) if sampling is not None else dict(do_sample=False, pad_token_id=pad)
+    cont = draft.generate(
+        torch.tensor([ids]), max_new_tokens=BRANCH, output_scores=True, return_dict_in_generate=True, **kw
+    )
+    c, e = draft_token_stats_from_logits(torch.stack(cont.scores, 1)[0].float())
+    return c.tolist(), e.tolist()
 
 
 def _headroom(comp: str, texts: list, res: dict, bound: dict, exports: dict) -> str:
