@@ -403,6 +403,10 @@ def test_kept_runs_realize_and_pool():
     assert kept == pytest.approx(0.5, abs=0.03)  # 8,000 events
     with pytest.raises(ValueError, match="text 0 has no accept_prob"):
         realize([replace(text, accept_prob=None)], seed=0, cap=8)
+    with pytest.raises(ValueError, match="text 1: accept_prob\\[3\\] = nan, expected a probability"):
+        realize([text, replace(text, accept_prob=[0.5] * 3 + [float("nan")] + [0.5] * 6)], seed=0, cap=8)
+    with pytest.raises(ValueError, match="accept_prob\\[0\\] = 1.5"):
+        realize([replace(text, accept_prob=[1.5] + [0.5] * 9)], seed=0, cap=8)
     r1 = simulate(a, "fixed", lambda s: 2, compression="int8", cost=_cost())
     r2 = simulate(b, "fixed", lambda s: 1, compression="int8", cost=_cost())
     both = pool_results([r1, r2])

@@ -207,13 +207,23 @@ def realize(texts: Sequence[DenseText], seed: int, cap: int) -> list[DenseText]:
     -------
     list of DenseText
         The texts with :attr:`DenseText.run` from the drawn events.
+
+    Raises
+    ------
+    ValueError
+        If a text has no :attr:`DenseText.accept_prob` for each generated token,
+        or one that is not a probability (naming the text and position).
     """
     out = []
     for i, text in enumerate(texts):
         if text.accept_prob is None or len(text.accept_prob) != text.generated:
             raise ValueError(f"text {i} has no accept_prob for its {text.generated} generated tokens")
+        a = np.asarray(text.accept_prob, dtype=np.float64)
+        if not np.all((a >= 0.0) & (a <= 1.0)):  # NaN fails too
+            k = int(np.flatnonzero(~((a >= 0.0) & (a <= 1.0)))[0])
+            raise ValueError(f"text {i}: accept_prob[{k}] = {float(a[k])!r}, expected a probability in [0, 1]")
         u = np.random.default_rng([seed, i]).random(text.generated)
-        out.append(replace(text, run=kept_runs((u < np.asarray(text.accept_prob)).tolist(), cap)))
+        out.append(replace(text, run=kept_runs((u < a).tolist(), cap)))
     return out
 
 
