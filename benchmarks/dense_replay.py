@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             [realize(texts, args.seed * 1000 + r, RUN_CAP) for r in range(args.replications)] if sampling else [texts]
         )
 
-        def over(walk, *args, draws=draws, **kw):
-            """``walk(texts, *args, **kw)`` on every draw, pooled."""
-            return pool_results([walk(d, *args, **kw) for d in draws])
+        def over(walk, *walk_args, draws=draws, **kw):
+            """``walk(texts, *walk_args, **kw)`` on every draw, pooled."""
+            return pool_results([walk(d, *walk_args, **kw) for d in draws])
 
         arms = {"target": ("fixed", lambda s: 0, None), "fixed-2": ("fixed", lambda s: 2, None)}
         arms["fixed-4"] = ("fixed", lambda s: 4, None)
