@@ -407,7 +407,15 @@ def test_online_offline_choices_and_accounting_on_the_shipped_race_with_steps():
 
 
 @pytest.mark.parametrize(
-    "stem", ["onednn_fp32_rerun", "onednn_quant_rerun", "onednn_quant_steps", "onednn_int8_all", "onednn_nf4_all"]
+    "stem",
+    [
+        "onednn_fp32_rerun",
+        "onednn_quant_rerun",
+        "onednn_quant_steps",
+        "onednn_int8_all",
+        "onednn_nf4_all",
+        "onednn_nf4_sampling_all",
+    ],
 )
 def test_shipped_race_docs_are_what_their_saved_runs_render(stem):
     """Every figure in a shipped race document comes from its saved runs (benchmarks/e2e.py --render)."""
