@@ -424,3 +424,60 @@ def test_shipped_race_docs_are_what_their_saved_runs_render(stem):
     saved["goals"] = race.goals(saved)
     saved["plot"] = f"{stem}.png"
     assert race.markdown(saved) in (ROOT / "docs" / f"{stem}.md").read_text()
+
+
+def test_the_report_covers_every_decoding_the_race_ran():
+    """A race with greedy and sampling blocks: one per-task table and one set of goal lines per decoding; sampling's
+    goals hold every task type to the target alone (the 1.15x code goal is greedy's)."""
+
+    def run(prompt, task, arm, decoding, seconds):
+        return {
+            "tokens": 10,
+            "seconds": seconds,
+            "steps": 1,
+            "decision_s": 0.0,
+            "fallbacks": 0,
+            "arm": arm,
+            "prompt_id": prompt,
+            "task_type": task,
+            "compression": "nf4",
+            "decoding": decoding,
+            "repeat": 0,
+        }
+
+    arms = ["target", "fixed-2", "gbt-gated"]
+    speed = {"target": 2.0, "fixed-2": 1.9, "gbt-gated": 1.6}
+    runs = [
+        run(f"{t}-{i}", t, a, d, speed[a] * (1.5 if (t, d, a) == ("chat", "sampling", "gbt-gated") else 1.0))
+        for d in ("greedy", "sampling")
+        for t in ("chat", "code")
+        for i in range(2)
+        for a in arms
+    ]
+    cfg = {"target": "t", "draft": "d", "prompts": 4, "per_task": 2, "max_new_tokens": 10, "repeats": 1}
+    result = {
+        "config": {**cfg, "compressions": ["nf4"], "decodings": ["greedy", "sampling"]},
+        "arms": arms,
+        "runs": runs,
+        "mismatches": [],
+        "command": "python benchmarks/e2e.py",
+        "machine": "test",
+        "minutes": 0.1,
+        "plot": "x.png",
+    }
+    result["summary"] = race.summarize_runs(runs, arms)
+    result["goals"] = race.goals(result)
+    text = race.markdown(result)
+    assert "### x target alone by task type (greedy)" in text and "### x target alone by task type (sampling)" in text
+    lines = result["goals"]
+    assert any(g.startswith("nf4 greedy code: gbt-gated vs target alone 1.25x (goal >= 1.15x) MET") for g in lines)
+    assert any(g.startswith("nf4 sampling code: gbt-gated vs target alone 1.25x (goal >= 1.00x) MET") for g in lines)
+    assert any(g.startswith("nf4 sampling chat: gbt-gated vs target alone 0.83x (goal >= 1.00x) MISSED") for g in lines)
+    assert [g.split(",")[0].split(" ")[1] for g in lines if " vs target alone: " in g] == [
+        "greedy",
+        "greedy",
+        "sampling",
+        "sampling",
+    ]  # medians, then pooled, per block
+    greedy_only = {**result, "config": {**result["config"], "decodings": ["greedy"]}}
+    assert "(sampling)" not in race.markdown(greedy_only) and not any("sampling" in g for g in race.goals(greedy_only))
