@@ -251,25 +251,30 @@ def test_conditional_acceptance_from_a_log():
     assert p.shape == (8,) and ((p > 0) & (p < 1)).all()
 
 
+def _race_run(prompt, arm, seconds, *, tokens=10, task="code", compression="fp32", decoding="greedy"):
+    """One saved race run, as benchmarks/e2e.py --out records it (what summarize_runs reads)."""
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "steps": 1,
+        "decision_s": 0.0,
+        "fallbacks": 0,
+        "arm": arm,
+        "prompt_id": prompt,
+        "task_type": task,
+        "compression": compression,
+        "decoding": decoding,
+        "repeat": 0,
+    }
+
+
 def test_pooled_ratios_are_total_tokens_over_total_time_not_the_median_of_ratios():
     """Two prompts: gbt is 2x the target on the first and 0.5x on the second, but the second takes longer, so pooled
     over the runs (the offline evaluator's statistic) it is slower (20 tokens in 5 s against 20 in 4 s) while the
     median of the per-prompt ratios says 1.25x."""
 
     def run(prompt, arm, tokens, seconds):
-        return {
-            "tokens": tokens,
-            "seconds": seconds,
-            "steps": 1,
-            "decision_s": 0.0,
-            "fallbacks": 0,
-            "arm": arm,
-            "prompt_id": prompt,
-            "task_type": "code",
-            "compression": "fp32",
-            "decoding": "greedy",
-            "repeat": 0,
-        }
+        return _race_run(prompt, arm, seconds, tokens=tokens)
 
     runs = [
         run("p1", "target", 10, 2.0),
@@ -432,19 +437,7 @@ def test_the_report_covers_every_decoding_the_race_ran():
     goals hold every task type to the target alone (the 1.15x code goal is greedy's)."""
 
     def run(prompt, task, arm, decoding, seconds):
-        return {
-            "tokens": 10,
-            "seconds": seconds,
-            "steps": 1,
-            "decision_s": 0.0,
-            "fallbacks": 0,
-            "arm": arm,
-            "prompt_id": prompt,
-            "task_type": task,
-            "compression": "nf4",
-            "decoding": decoding,
-            "repeat": 0,
-        }
+        return _race_run(prompt, arm, seconds, task=task, compression="nf4", decoding=decoding)
 
     arms = ["target", "fixed-2", "gbt-gated"]
     speed = {"target": 2.0, "fixed-2": 1.9, "gbt-gated": 1.6}
