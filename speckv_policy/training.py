@@ -171,3 +171,99 @@ def load_saved_policy(path: str | os.PathLike[str], *, trusted: bool = False) ->
         raise ValueError(f"{path}: holds a {type(obj).__name__}, not a speckv gamma policy")
     check_is_fitted(obj)
     return obj
+
+
+def stop_rule_rows(log: pd.DataFrame, split: str | None = "train") -> dict[tuple[str, str], tuple[Any, ...]]:
+    """Per-token training rows of a stop rule, per ``(compression, decoding)``: ``(X_now, y_now, X_next, y_next)``.
+
+    A logged step that drafted ``D`` tokens and accepted the first ``n`` says, of
+    each token ``i <= n`` (0-based, ``i < D``) whose predecessors were all
+    accepted, whether it was accepted (``i < n``): the ``now`` curve's rows, with
+    that token's :func:`~speckv_policy.stop.stop_features`. Of each accepted token
+    ``i < n`` with a successor drafted, whether the successor was accepted, from
+    token ``i``'s features: the ``next`` curve's rows.
+
+    Raises
+    ------
+    ValueError
+        If the log lacks a column the rows need (named), or a step's per-token arrays
+        do not match its ``gamma``.
+    """
+    from .stop import stop_features
+
+    need = ("compression", "decoding", "accepted", "gamma", "draft_confidence", "draft_entropy", "context_match_len")
+    missing = [c for c in need if c not in log.columns]
+    if missing:
+        raise ValueError(f"a stop rule trains on the per-token columns of a step log; missing: {', '.join(missing)}")
+    rows = log if split is None else log[(log["split"] == split).to_numpy()]
+    out: dict[tuple[str, str], tuple[Any, ...]] = {}
+    for (comp, dec), part in rows.groupby(["compression", "decoding"], sort=True):
+        xn, yn, xx, yx = [], [], [], []
+        for idx, conf, ent, acc, gam, m in zip(
+            part.index,
+            part["draft_confidence"],
+            part["draft_entropy"],
+            part["accepted"],
+            part["gamma"],
+            part["context_match_len"],
+        ):
+            conf = [] if conf is None else np.asarray(conf, dtype=np.float64).reshape(-1).tolist()
+            ent = [] if ent is None else np.asarray(ent, dtype=np.float64).reshape(-1).tolist()
+            if len(conf) != int(gam) or len(ent) != int(gam):
+                raise ValueError(
+                    f"step log row {idx}: {len(conf)} draft_confidence and {len(ent)} draft_entropy values for "
+                    f"gamma {int(gam)} (a stop rule needs the per-token values of every drafted token)"
+                )
+            n = int(acc)
+            for i in range(min(n + 1, len(conf))):
+                x = stop_features(conf[i], ent[i], m)
+                xn.append(x)
+                yn.append(int(i < n))
+                if i < n and i + 1 < len(conf):
+                    xx.append(x)
+                    yx.append(int(i + 1 < n))
+        out[(str(comp), str(dec))] = (np.asarray(xn), np.asarray(yn), np.asarray(xx), np.asarray(yx))
+    return out
+
+
+def fit_stop_rule(
+    log: pd.DataFrame,
+    cost_model: CostModel,
+    *,
+    split: str | None = "train",
+    token_value: float = 1.0,
+    max_gamma: int = 8,
+    C: float = 10.0,
+    source: str = "",
+) -> Any:
+    """Fit a :class:`~speckv_policy.stop.StopRule`'s acceptance curves on a step log (logistic regression).
+
+    One pair of curves per compression level and decoding the split holds with
+    both outcomes among its tokens (see :func:`stop_rule_rows`).
+
+    Raises
+    ------
+    ValueError
+        If no (compression, decoding) has rows with both outcomes, or see :func:`stop_rule_rows`.
+    """
+    from sklearn.linear_model import LogisticRegression
+
+    from .stop import AcceptanceCurve, StopRule
+
+    curves = {}
+    rows = {}
+    for key, (xn, yn, xx, yx) in stop_rule_rows(log, split).items():
+        if len(set(yn.tolist())) < 2 or len(set(yx.tolist())) < 2:
+            continue  # one outcome only: nothing to fit
+        pair = []
+        for X, y in ((xn, yn), (xx, yx)):
+            m = LogisticRegression(C=C, max_iter=2000).fit(X, y)
+            pair.append(AcceptanceCurve(float(m.intercept_[0]), tuple(float(v) for v in m.coef_[0]), len(y)))
+        curves[key] = (pair[0], pair[1])
+        rows[f"{key[0]}/{key[1]}"] = len(yn)
+    if not curves:
+        raise ValueError(
+            f"no compression/decoding in the log's {split or 'whole'} split has tokens both accepted and rejected"
+        )
+    trained_on = {"log": source, "split": split or "all", "tokens": rows}
+    return StopRule(curves, cost_model, token_value=token_value, max_gamma=max_gamma, trained_on=trained_on)

@@ -147,17 +147,26 @@ def _assisted_vs_draft_sampling(target, draft, ids, vocab, n=1500, mode="upfront
     policy = lambda f: int(rng.integers(0, 4))  # noqa: E731
     if mode == "gated":
         policy = _GatedCycle([int(g) for g in rng.integers(0, 4, size=97)])
+    if mode == "stop":  # a cost-aware stop rule whose choices vary with the draft's confidence (0..8 tokens)
+        from speckv_policy.objective import CostModel
+        from speckv_policy.stop import AcceptanceCurve, StopRule
+
+        cost = CostModel((2.0,) * 3, (10.0,) * 3, (1.0,) * 3, draft_base_ms=(1.0,) * 3)
+        pair = (AcceptanceCurve(-1.0, (3.0, 0.0, 0.0, 0.0)), AcceptanceCurve(0.4, (0.0,) * 4))
+        policy = StopRule({("fp32", "sampling"): pair}, cost)
     with attach(target, policy, compression="fp32", mode=mode, feature_set=fs) as h:
         counts = _two_token_counts(target, ids, vocab, n, assistant_model=draft)
     draft_counts = _two_token_counts(draft, ids, vocab, n)
     return h, _chi2_pvalue(counts, joint), _chi2_pvalue(draft_counts, joint), draft_counts
 
 
-@pytest.mark.parametrize("mode", ["upfront", "pre", "gated"])
+@pytest.mark.parametrize("mode", ["upfront", "pre", "gated", "stop"])
 def test_sampling_keeps_the_target_distribution(mode):
     target, draft = tiny_llama_pair(vocab_size=12, hidden_size=32, noise=0.3, seed=3, init_range=0.15)
     h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(target, draft, torch.tensor([[1, 2, 3]]), 12, mode=mode)
     assert h.summary()["acceptance"] > 0.2 and max(s.gamma for s in h.stats) >= 1
+    if mode == "stop":  # the rule's choices really vary: plain steps after the probe, one token, longer drafts
+        assert {0, 1} <= {s.gamma for s in h.stats}  # two new tokens: one draft token at most
     assert p_assisted > 0.001
     assert p_draft < 1e-6  # the draft's own samples: the test must be able to tell them apart
 

@@ -64,8 +64,10 @@ __all__ = [
 #: token, ``decide(online_features of that token) -> g``: keep it if ``g >= 1``, go on if ``g >= 2``, as
 #: the hook's per-token mode; needs :attr:`DenseText.branches`) or ``'rule'`` (``decide`` is a history
 #: rule with ``gamma()`` and ``observe(gamma, accepted)``, e.g. the race's SGLang- and vLLM-style
-#: peers, kept across the texts as a server keeps it across requests).
-SIMULATED_MODES = ("fixed", "pre", "gated", "upfront", "per-token", "rule")
+#: peers, kept across the texts as a server keeps it across requests), or ``'stop'`` (``decide`` is a
+#: :class:`~speckv_policy.stop.StopRule`: after every draft token, keep the best prefix so far and go on while a
+#: longer draft is worth more, as ``attach(..., mode="stop")``; needs :attr:`DenseText.branches`).
+SIMULATED_MODES = ("fixed", "pre", "gated", "upfront", "per-token", "rule", "stop")
 
 
 @dataclass(frozen=True)
@@ -262,14 +264,15 @@ def simulate(
     Parameters
     ----------
     texts : sequence of DenseText
-    mode : {'fixed', 'pre', 'gated', 'upfront', 'per-token', 'rule'}
+    mode : {'fixed', 'pre', 'gated', 'upfront', 'per-token', 'rule', 'stop'}
         See :data:`SIMULATED_MODES`. Upfront and gated steps that read the
         probe token pay for it (one draft token) even when they then choose 0.
         As in the hook, no step drafts more than the tokens left but one (the
         last new token is always the target's own), probe included.
     decide : callable or rule
         The policy's length decision for the mode's features (``'rule'``: an
-        object with ``gamma()`` and ``observe(gamma, accepted)``).
+        object with ``gamma()`` and ``observe(gamma, accepted)``; ``'stop'``: a
+        :class:`~speckv_policy.stop.StopRule`).
     compression : str
         Compression name (features and the cost model's row).
     cost : CostModel
@@ -295,6 +298,8 @@ def simulate(
         raise ValueError("mode='gated' needs gate=")
     if mode == "rule" and not (callable(getattr(decide, "gamma", None)) and callable(getattr(decide, "observe", None))):
         raise ValueError(f"mode='rule' needs an object with gamma() and observe(gamma, accepted), got {decide!r}")
+    if mode == "stop" and not callable(getattr(decide, "begin", None)):
+        raise ValueError(f"mode='stop' needs a StopRule, got {decide!r}")
     code = COMPRESSION_CODES[compression]
     gammas: list[int] = []
     kept: list[int] = []
@@ -325,6 +330,21 @@ def simulate(
                         g = i + 1
                     if d < 2:
                         break
+            elif mode == "stop":
+                matcher.extend(ids[synced:ctx])
+                synced = ctx
+                cap = min(max_gamma, text.generated - k - 1)
+                g = drafted = 0
+                if cap > 0:
+                    st = decide.begin(compression, temperature, cap, matcher.match_len())
+                    for i in range(cap):
+                        token = text.draft_token(k, i)
+                        if token is None:  # the draft proposed its end-of-sequence token: it stops there
+                            break
+                        go = st.after_token(token[0], token[1])
+                        if not go:
+                            break
+                    g, drafted = st.kept, st.drafted
             elif mode == "upfront":
                 g, probe = int(decide(state.features(text.conf[k], text.entropy[k], ctx).tolist())), True
             else:

@@ -43,6 +43,11 @@ Decision modes
     step, no probe); when it opens, the draft's first token is the probe and
     the length head picks gamma from the ``gated`` features (every ``pre``
     feature plus the probe token's confidence and entropy).
+``stop``
+    A cost-aware stop rule (:class:`speckv_policy.stop.StopRule`, ``speckv-export
+    --stop-rule``): after every draft token, send the best prefix drafted so far
+    and draft one more while a longer draft is worth its price. Gamma 0 (a
+    plain step) is still possible after the first token.
 
 This module imports torch and transformers; :mod:`speckv_policy.runtime` does not
 import it.
@@ -71,14 +76,18 @@ from ..features import (
     gated_values,
     paper_features,
 )
+from ..objective import CostModel
 from ..runtime import DEFAULT_FALLBACK_GAMMA, PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
 from ..schema import COMPRESSIONS, GATED, ONLINE, PAPER, PRE, FeatureSet, compression_code, get_feature_set
+from ..stop import StopRule, StopRuleError, StopState
 from . import _compat
 from ._compat import AssistedCandidateGenerator
 from .lean_draft import LeanDraft
 from .live_costs import LiveCosts
 
-MODES = ("upfront", "per-token", "truncate", "fixed", "pre", "gated")
+MODES = ("upfront", "per-token", "truncate", "fixed", "pre", "gated", "stop")
+#: the modes whose draft loop asks the controller after every draft token
+_ASKS_PER_TOKEN = ("upfront", "per-token", "gated", "stop")
 DRAFT_LOOPS = ("lean", "generate")
 DEFAULT_MAX_GAMMA = 8
 
@@ -140,7 +149,71 @@ class StepStats:
     signals_us: float = 0.0
 
 
-class _Decider:
+class _Fallback:
+    """Counts a policy's failures and warns once; the fallback gamma stands in for a failed decision."""
+
+    def __init__(self, policy: Any, fallback_gamma: int) -> None:
+        self.fallback_gamma = int(fallback_gamma)
+        self.warned = False
+        self.fallbacks = 0
+        self.source = policy
+        self.load_error: Exception | None = None
+        self.runtime: RuntimePolicy | None = None
+        self.max_gamma = DEFAULT_MAX_GAMMA
+
+    def _fail(self, why: str) -> int:
+        self.fallbacks += 1
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"speckv policy {self.source!r} failed ({why}); using fallback gamma {self.fallback_gamma} "
+                "(further failures are counted in handle.summary()['fallbacks'], not warned)",
+                PolicyFallbackWarning,
+                stacklevel=2,
+            )
+        return min(self.fallback_gamma, self.max_gamma)
+
+
+class _StopDecider(_Fallback):
+    """A :class:`~speckv_policy.stop.StopRule` for ``mode='stop'``; an unreadable one falls back every step."""
+
+    def __init__(self, policy: Any, max_gamma: int | None, fallback_gamma: int, costs: Any) -> None:
+        super().__init__(policy, fallback_gamma)
+        if not isinstance(policy, (StopRule, str, os.PathLike, dict)):
+            raise TypeError(
+                f"mode='stop' needs a StopRule or the path of its JSON (speckv-export --stop-rule); got {type(policy).__name__}"
+            )
+        self.rule: StopRule | None = None
+        try:
+            self.rule = StopRule.load(policy)
+        except (OSError, StopRuleError) as exc:  # a missing or broken file: every step falls back, one warning
+            self.load_error = exc
+        if costs is not None:
+            if isinstance(costs, LiveCosts) or (isinstance(costs, str) and costs == "live"):
+                raise ValueError("mode='stop' takes costs= as a cost model (speckv-calibrate's JSON), not live costs")
+            try:
+                cost = CostModel.load(costs)
+            except FileNotFoundError as exc:
+                raise ValueError(str(exc)) from None
+            if self.rule is not None:
+                self.rule = self.rule.reprice(cost)
+        top = self.rule.max_gamma if self.rule is not None else DEFAULT_MAX_GAMMA
+        self.max_gamma = int(max_gamma) if max_gamma is not None else top
+        if self.max_gamma < 1:
+            raise ValueError(f"max_gamma must be >= 1, got {self.max_gamma}")
+
+    def begin(self, compression: str, temperature: float, cap: int, match_len: float) -> StopState | None:
+        """The step's stop state, or None (after counting the failure) where the rule cannot decide."""
+        try:
+            if self.rule is None:
+                raise self.load_error or ValueError("no stop rule")
+            return self.rule.begin(compression, temperature, cap, match_len)
+        except Exception as exc:  # a broken rule must never break generation
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return None
+
+
+class _Decider(_Fallback):
     """Wraps any policy into ``decide(features) -> int`` that never raises."""
 
     def __init__(
@@ -151,12 +224,7 @@ class _Decider:
         fallback_gamma: int,
         own_runtime: bool = False,
     ) -> None:
-        self.fallback_gamma = int(fallback_gamma)
-        self.warned = False
-        self.fallbacks = 0
-        self.source = policy
-        self.load_error: Exception | None = None
-        self.runtime: RuntimePolicy | None = None
+        super().__init__(policy, fallback_gamma)
         self._gate: Callable[[Any], Any] | None = None  # a gated policy's pre-draft gate
         engine = "auto"
         if isinstance(policy, RuntimePolicy) and own_runtime and policy.load_error is None:
@@ -206,18 +274,6 @@ class _Decider:
         if self.max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {self.max_gamma}")
 
-    def _fail(self, why: str) -> int:
-        self.fallbacks += 1
-        if not self.warned:
-            self.warned = True
-            warnings.warn(
-                f"speckv policy {self.source!r} failed ({why}); using fallback gamma {self.fallback_gamma} "
-                "(further failures are counted in handle.summary()['fallbacks'], not warned)",
-                PolicyFallbackWarning,
-                stacklevel=2,
-            )
-        return min(self.fallback_gamma, self.max_gamma)
-
     @property
     def has_gate(self) -> bool:
         return self._gate is not None
@@ -252,7 +308,7 @@ class _Controller:
 
     def __init__(
         self,
-        decider: _Decider | None,
+        decider: _Decider | _StopDecider | None,
         mode: str,
         compression: str,
         gamma_fn: Callable[[int], int] | None,
@@ -281,11 +337,13 @@ class _Controller:
         self.draft_loop = "lean"
         self.draft_loop_used = ""
         # the pre-draft signals: computed when a pre decision needs them or a profile records them
-        self.signals = record_tokens or mode in ("pre", "gated")
+        self.signals = record_tokens or mode in ("pre", "gated", "stop")
         # the target's confidence and entropy at the last verified position: logged by a profile (log schema v2),
         # read by no feature set since 'pre' v3, so a run that records nothing does not pay for them
         self.target_signals = record_tokens
         self._pre_row: Any = None  # gated mode: the step's pre features, completed by the probe
+        self._stop: StopState | None = None  # stop mode: this step's stop decisions
+        self._cap = 0  # the step's draft budget
         # the runtime's Python engine reads the features as a list (no numpy on the step's path, see pre_values)
         runtime = getattr(decider, "runtime", None)
         self._lists = runtime is not None and runtime.engine == "python"
@@ -403,6 +461,8 @@ class _Controller:
                 self._plan = self._decide(self.state.features(float(conf), float(ent), context_len), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
+        if self.mode == "stop":
+            return self._stop_after(k, logits, t)
         if self.mode == "gated":  # the gate opened: the length head reads the probe token
             if k == 1:
                 assert self._pre_row is not None
@@ -416,6 +476,31 @@ class _Controller:
         if g >= 1:
             self._kept = k
         return g < 2 or k >= self.max_gamma
+
+    def _stop_after(self, k: int, logits: torch.Tensor, t: float) -> bool:
+        """``stop`` mode after draft token ``k``: the rule's keep / go on; the fallback gamma where it fails."""
+        dec = self.decider
+        cur = self.current
+        assert isinstance(dec, _StopDecider) and cur is not None and self.state is not None
+        if k == 1:
+            self._stop = dec.begin(self.compression, self.state.temperature, self._cap, cur.context_match_len)
+            cur.fallback |= self._stop is None
+        go = False
+        if self._stop is not None:
+            try:
+                conf, ent = draft_token_stats_from_logits(logits)
+                go = self._stop.after_token(float(conf), float(ent))
+                self._kept = self._stop.kept
+            except Exception as exc:  # a broken rule must never break generation
+                self._stop = None
+                cur.fallback = True
+                dec._fail(f"{type(exc).__name__}: {exc}")
+        if self._stop is None:  # fall back: the fallback gamma's tokens
+            fb = min(dec.fallback_gamma, self._cap)
+            self._kept = min(k, fb)
+            go = k < fb
+        cur.decision_us += (time.perf_counter() - t) * 1e6
+        return not go or k >= self._cap
 
     def finish_draft(self, logits: torch.Tensor) -> int:
         """Number of drafted tokens to send for verification."""
@@ -530,17 +615,18 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         if cap <= 0:
             c._verify_t0 = c.clock()
             return input_ids, None
-        if c.mode in ("upfront", "per-token", "gated"):
+        if c.mode in _ASKS_PER_TOKEN:
             c._kept = 0
+            c._cap = cap
         if self.lean is not None:
-            stop = c.on_draft_token if c.mode in ("upfront", "per-token", "gated") else None
+            stop = c.on_draft_token if c.mode in _ASKS_PER_TOKEN else None
             ids, logits = self.lean.draft(input_ids, cap, stop)
         else:
             self.num_assistant_tokens = cap
             min_new, max_new = _compat.calculate_new_tokens(self, input_ids)
             _compat.sync_draft_inputs(self, input_ids)  # also after steps that skipped the draft
             args = _compat.prepare_generation_args(self, input_ids, min(min_new, max_new), max_new)
-            if c.mode in ("upfront", "per-token", "gated"):
+            if c.mode in _ASKS_PER_TOKEN:
                 args["stopping_criteria"] = StoppingCriteriaList([_PolicyStop(c, cur)])
             ids, logits = _compat.generate_candidates(self, args)
         gamma = c.finish_draft(logits)
@@ -700,13 +786,15 @@ def attach(
     ----------
     target : transformers PreTrainedModel
         The verifying model (full precision or bitsandbytes INT8 / NF4).
-    policy : path, RuntimePolicy, fitted GammaPolicy or callable
+    policy : path, RuntimePolicy, fitted GammaPolicy, callable or StopRule
         Where gamma comes from. A callable receives the feature vector and
         must then be told its ``feature_set``. Not used by ``mode='fixed'``.
+        ``mode='stop'`` takes a :class:`~speckv_policy.stop.StopRule` or its
+        JSON path (an unreadable file falls back every step, one warning).
     compression : str or None
         ``fp16``, ``bf16``, ``fp32``, ``int8`` or ``nf4``; ``None`` detects it
         from the target (:func:`detect_compression`).
-    mode : {'upfront', 'per-token', 'truncate', 'fixed', 'pre', 'gated'}
+    mode : {'upfront', 'per-token', 'truncate', 'fixed', 'pre', 'gated', 'stop'}
         See the module docstring.
     max_gamma : int or None
         Cap on draft tokens per step; default: the policy's largest candidate.
@@ -738,6 +826,7 @@ def attach(
         estimates of the draft and verification times this generation
         measures. Needs an ONNX export (a path or a RuntimePolicy, which is
         then copied, not changed) that maximises tokens per second.
+        ``mode='stop'``: a cost model only (the rule is re-priced as it loads).
     draft_loop : {'lean', 'generate'}, default='lean'
         ``'lean'`` drafts with the draft model's own cached forward calls
         (:class:`~speckv_policy.hf.lean_draft.LeanDraft`), skipping the
@@ -773,10 +862,17 @@ def attach(
         compression = detect_compression(target)
     if compression not in COMPRESSIONS:
         raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
-    decider = None
+    decider: _Decider | _StopDecider | None = None
+    fallback = DEFAULT_FALLBACK_GAMMA if fallback_gamma is None else fallback_gamma
     if mode == "fixed":
         if gamma_fn is None:
             raise ValueError("mode='fixed' needs gamma_fn(step) -> int")
+    elif mode == "stop":
+        if policy is None:
+            raise ValueError("mode='stop' needs a stop rule (a StopRule or its JSON path)")
+        decider = _StopDecider(policy, max_gamma, fallback, costs)
+        if fallback > decider.max_gamma:
+            raise ValueError(f"fallback_gamma {fallback_gamma} exceeds max_gamma {decider.max_gamma}")
     else:
         if policy is None:
             raise ValueError(f"mode={mode!r} needs a policy")
@@ -810,7 +906,7 @@ def attach(
     controller = _Controller(decider, mode, compression, gamma_fn, record_tokens, sync_cuda)
     controller.probe_backoff = int(probe_backoff)
     controller.draft_loop = draft_loop
-    if costs is not None:
+    if costs is not None and mode != "stop":  # a stop rule was re-priced as it loaded
         controller.live = _price(decider, costs, compression, mode)
     original = _compat.default_candidate_generator(target)
 

@@ -1,0 +1,284 @@
+"""The cost-aware stop rule: its decisions, its file, its fit, and mode='stop' in the hook and the replay."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from speckv_policy.evaluation.dense import DenseText, match_runs, simulate
+from speckv_policy.objective import CostModel
+from speckv_policy.runtime import PolicyFallbackWarning
+from speckv_policy.stop import STOP_FEATURES, AcceptanceCurve, StopRule, StopRuleError, stop_features
+from speckv_policy.testing import tiny_llama_pair
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
+
+
+def _cost() -> CostModel:
+    # draft 1 ms per call + 2 ms per token; verification 10 ms + 1 ms per draft token, every level
+    return CostModel((2.0,) * 3, (10.0,) * 3, (1.0,) * 3, draft_base_ms=(1.0,) * 3)
+
+
+def _const(p: float) -> AcceptanceCurve:
+    """A curve that says ``p`` whatever the token."""
+    return AcceptanceCurve(math.log(p / (1 - p)), (0.0,) * len(STOP_FEATURES))
+
+
+def _rule(now: AcceptanceCurve, nxt: AcceptanceCurve | None = None, **kw) -> StopRule:
+    pair = (now, nxt or now)
+    return StopRule({("fp32", "greedy"): pair, ("fp32", "sampling"): pair}, _cost(), **kw)
+
+
+def _run(state, confs):
+    goes = []
+    for c in confs:
+        goes.append(state.after_token(c, 0.5))
+        if not goes[-1]:
+            break
+    return goes
+
+
+def test_sure_tokens_are_drafted_to_the_cap_and_hopeless_ones_dropped():
+    # p = 0.999: every further token adds ~1 token worth 10 ms for 1 ms of verify + 2 ms of drafting
+    st = _rule(_const(0.999)).begin("fp32", 0.0, 5, 0)
+    assert _run(st, [0.9] * 9) == [True] * 4 + [False] and (st.kept, st.drafted) == (5, 5)
+    # p = 0.01: the probe token is worth 0.1 ms against 10 -> 11 ms of verification: send nothing, stop
+    st = _rule(_const(0.01)).begin("fp32", 0.0, 8, 0)
+    assert _run(st, [0.9] * 9) == [False] and (st.kept, st.drafted) == (0, 1)
+
+
+def test_the_rule_keeps_the_best_prefix_and_goes_on_only_while_a_longer_draft_pays():
+    """By hand: V = 10 ms (a plain step) and verify(g) = 10 + g ms. Sending nothing is worth -10; a first token
+    with p = 0.5 is worth 10 * 0.5 - 11 = -6, so it is kept. With p_next = 0.9, two tokens would be worth
+    10 * (0.5 + 0.45) - 12 - 2 (drafting) = -4.5 > -6: go on. A second token with p = 0.9 is worth
+    10 * 0.95 - 12 = -2.5: kept. With p_next = 0.2 every longer draft is worth less than -6: stop at one.
+    A first token with p = 0.05 (-10.5) is dropped: a plain step after the probe."""
+    table = {0.3: 0.5, 0.7: 0.9, 0.1: 0.05}
+
+    class ByConfidence(AcceptanceCurve):
+        def __call__(self, x):  # the token's confidence picks its chance
+            return table[round(x[0], 1)]
+
+    cur = ByConfidence(0.0, (0.0,) * 4)
+    st = _rule(cur, _const(0.9)).begin("fp32", 0.0, 8, 0)
+    assert st.after_token(0.3, 0.1) is True and st.kept == 1 and st.best == pytest.approx(-6.0)
+    assert st.after_token(0.7, 0.1) is True and st.kept == 2 and st.best == pytest.approx(-2.5)
+    st = _rule(cur, _const(0.2)).begin("fp32", 0.0, 8, 0)
+    assert st.after_token(0.3, 0.1) is False and st.kept == 1
+    st = _rule(cur, _const(0.2)).begin("fp32", 0.0, 8, 0)
+    assert st.after_token(0.1, 0.1) is False and (st.kept, st.drafted) == (0, 1) and st.best == pytest.approx(-10.0)
+    # the cap: never asks for a token past it
+    st = _rule(cur, _const(0.9)).begin("fp32", 0.0, 1, 0)
+    assert st.after_token(0.3, 0.1) is False and st.kept == 1
+
+
+def test_a_cheaper_target_step_values_tokens_less_and_drafts_less():
+    cheap = replace(_cost(), verify_base_ms=(3.0,) * 3)  # the same draft cost against a far cheaper plain step
+    rule = _rule(_const(0.7))
+    long = rule.begin("fp32", 0.0, 8, 0)
+    short = rule.reprice(cheap).begin("fp32", 0.0, 8, 0)
+    assert len(_run(long, [0.5] * 8)) > len(_run(short, [0.5] * 8))
+    assert rule.reprice(cheap).cost_model == cheap and rule.cost_model == _cost()
+
+
+def test_curves_by_compression_code_and_decoding():
+    rule = _rule(_const(0.6))
+    assert rule.curves_for("fp16", 0.0) == rule.curves[("fp32", "greedy")]  # fp16 / bf16 share code 0's curves
+    assert rule.curves_for("fp32", 0.7) == rule.curves[("fp32", "sampling")]
+    with pytest.raises(KeyError, match="no curves for int8/greedy"):
+        rule.begin("int8", 0.0, 4, 0)
+
+
+def test_the_file_round_trips_and_bad_files_get_errors_naming_file_and_key(tmp_path):
+    rule = _rule(AcceptanceCurve(-1.0, (2.0, -0.1, -0.3, 0.4), rows=12), _const(0.8), token_value=1.2)
+    path = tmp_path / "stop.json"
+    rule.save(path)
+    assert StopRule.load(path) == rule and StopRule.load(rule) is rule
+    good = json.loads(path.read_text())
+
+    def bad(edit, match):
+        d = json.loads(json.dumps(good))
+        edit(d)
+        p = tmp_path / "bad.json"
+        p.write_text(json.dumps(d))
+        with pytest.raises(StopRuleError, match=match) as err:
+            StopRule.load(p)
+        assert str(p) in str(err.value)
+
+    bad(lambda d: d.update(format="speckv-policy"), "'format'")
+    bad(lambda d: d.update(version=2), "up to 1")
+    bad(lambda d: d.update(features=list(reversed(STOP_FEATURES))), "in that order")
+    bad(
+        lambda d: d["curves"]["fp32/greedy"]["now"].update(coef=[1.0, "x", 0, 0]),
+        r"curves\['fp32/greedy'\].*not a number",
+    )
+    bad(lambda d: d["curves"]["fp32/greedy"]["now"].update(coef=[1.0]), r"curves\['fp32/greedy'\].*coef needs 4")
+    bad(lambda d: d["curves"].update({"fp8/greedy": d["curves"]["fp32/greedy"]}), "fp8/greedy")
+    bad(lambda d: d["cost_model"].pop("verify_base_ms"), "'cost_model'.*missing fields verify_base_ms")
+    bad(lambda d: d.update(token_value=-1), "token_value")
+    (tmp_path / "text.json").write_text("not json")
+    with pytest.raises(StopRuleError, match="not a JSON stop rule"):
+        StopRule.load(tmp_path / "text.json")
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        StopRule.load(tmp_path / "nope.json")
+
+
+def test_fit_on_a_log_with_a_known_acceptance_process():
+    """SYNTHETIC per-token log: token i is accepted with probability sigmoid(-3 + 6 * confidence) given its
+    predecessors were; the fitted 'now' curve must recover that law."""
+    import pandas as pd
+
+    from speckv_policy.training import fit_stop_rule, stop_rule_rows
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(3000):
+        conf = rng.uniform(0.05, 0.99, 8)
+        p = 1 / (1 + np.exp(3 - 6 * conf))
+        ok = rng.random(8) < p
+        acc = int(np.argmin(ok)) if not ok.all() else 8
+        rows.append(
+            dict(
+                split="train",
+                compression="int8",
+                decoding="greedy",
+                gamma=8,
+                accepted=acc,
+                draft_confidence=conf,
+                draft_entropy=rng.uniform(0, 2, 8),
+                context_match_len=float(rng.integers(0, 5)),
+            )
+        )
+    log = pd.DataFrame(rows)
+    rule = fit_stop_rule(log, _cost(), source="synthetic")
+    now, _ = rule.curves[("int8", "greedy")]
+    for c in (0.2, 0.5, 0.9):
+        assert now(stop_features(c, 1.0, 2)) == pytest.approx(1 / (1 + math.exp(3 - 6 * c)), abs=0.05)
+    assert rule.trained_on["log"] == "synthetic" and list(rule.curves) == [("int8", "greedy")]
+    xn, yn, xx, yx = stop_rule_rows(log)[("int8", "greedy")]
+    assert len(yn) == sum(min(a + 1, 8) for a in log["accepted"]) and len(yx) == sum(min(a, 7) for a in log["accepted"])
+    with pytest.raises(ValueError, match="missing: context_match_len"):
+        fit_stop_rule(log.drop(columns="context_match_len"), _cost())
+    short = log.copy()
+    short["draft_confidence"] = [np.array([0.5]) if i == 3 else c for i, c in enumerate(short["draft_confidence"])]
+    with pytest.raises(ValueError, match="row 3: 1 draft_confidence"):
+        fit_stop_rule(short, _cost())
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama_pair(seed=5, noise=0.05)
+
+
+def _varied_rule(seed: int) -> StopRule:
+    rng = np.random.default_rng(seed)
+    curve = AcceptanceCurve(float(rng.uniform(-3, 3)), tuple(float(v) for v in rng.normal(0, 3, 4)))
+    return _rule(curve, AcceptanceCurve(float(rng.uniform(-2, 4)), tuple(float(v) for v in rng.normal(0, 2, 4))))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_output_is_the_targets_in_stop_mode(pair, seed):
+    from speckv_policy.hf import attach
+
+    target, draft = pair
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(3):
+        ids = torch.tensor([rng.integers(1, 63, int(rng.integers(1, 10))).tolist()])
+        n = int(rng.integers(1, 40))
+        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
+        with attach(target, _varied_rule(seed), compression="fp32", mode="stop") as h:
+            out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
+        assert torch.equal(out, ref)
+        assert sum(s.accepted + 1 for s in h.stats) == out.shape[1] - ids.shape[1]
+        assert all(s.gamma <= s.drafted for s in h.stats) and h.summary()["fallbacks"] == 0
+
+
+def test_stop_mode_takes_the_replays_steps_on_a_tiny_pair(pair):
+    """Greedy generation through the hook in stop mode against dense.simulate on the target's text, the draft's
+    teacher-forced pass and its branches after each wrong token: the same steps, the last included."""
+    from speckv_policy.features import draft_token_stats_from_logits
+    from speckv_policy.hf import attach
+
+    target, draft = pair
+    ids = torch.tensor([[1, 7, 3, 9, 4, 7, 3]])
+    n = 28
+    rule = _rule(AcceptanceCurve(-3.0, (4.0, -0.2, -0.3, 0.5)), AcceptanceCurve(-1.0, (3.0, 0.0, 0.0, 0.5)))
+    with torch.inference_mode():
+        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
+        with attach(target, rule, mode="stop", compression="fp32") as h:
+            out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
+        own = draft(ref).logits[0][ids.shape[1] - 1 : -1]
+        conf, ent = draft_token_stats_from_logits(own)
+        plen, seq = ids.shape[1], ref[0].tolist()
+        proposals = own.argmax(-1).tolist()
+        branches = {}
+        for j, (mine, true) in enumerate(zip(proposals, seq[plen:])):
+            if mine != true:
+                g = draft.generate(
+                    torch.tensor([seq[: plen + j] + [mine]]),
+                    max_new_tokens=7,
+                    do_sample=False,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+                c, e = draft_token_stats_from_logits(torch.stack(g.scores, 1)[0])
+                branches[j] = (c.tolist(), e.tolist())
+    assert torch.equal(out, ref)
+    text = DenseText(seq, plen, match_runs(proposals, seq[plen:], 8), conf.tolist(), ent.tolist(), branches)
+    res = simulate([text], "stop", rule, compression="fp32", cost=_cost())
+    hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
+    assert list(zip(res.gammas.tolist(), res.accepted.tolist())) == hook
+    assert any(g > 1 for g, _ in hook) and any(s.gamma == 0 and s.drafted == 1 for s in h.stats)
+    with pytest.raises(ValueError, match="needs a StopRule"):
+        simulate([text], "stop", lambda f: 2, compression="fp32", cost=_cost())
+
+
+def test_a_broken_or_missing_rule_falls_back_with_one_warning(pair, tmp_path):
+    from speckv_policy.hf import attach
+
+    target, draft = pair
+    ids = torch.tensor([[5, 6, 7]])
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    (tmp_path / "broken.json").write_text("{")
+    int8_only = StopRule({("int8", "greedy"): (_const(0.5), _const(0.5))}, _cost())
+    for policy in (str(tmp_path / "missing.json"), str(tmp_path / "broken.json"), int8_only):
+        with pytest.warns(PolicyFallbackWarning) as rec:
+            with attach(target, policy, compression="fp32", mode="stop", fallback_gamma=2) as h:
+                out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
+        assert torch.equal(out, ref)
+        assert len([r for r in rec if r.category is PolicyFallbackWarning]) == 1
+        drafting = [s for s in h.stats if s.drafted > 0]  # a step with no room left to draft asks nothing
+        assert h.summary()["fallbacks"] == len(drafting) and all(s.fallback for s in drafting)
+        assert all(s.gamma == s.drafted <= 2 for s in drafting) and sum(s.gamma == 2 for s in drafting) > 5
+
+
+def test_stop_mode_reprices_and_says_what_it_cannot_take(pair, tmp_path):
+    from speckv_policy.hf import attach
+
+    target, draft = pair
+    costs = tmp_path / "costs.json"
+    cheap = replace(_cost(), verify_base_ms=(3.0,) * 3)
+    cheap.save(costs)
+    ids = torch.tensor([[1, 7, 3, 9]])
+    drafted = {}
+    for name, kw in (("own", {}), ("cheap", {"costs": str(costs)})):
+        with attach(target, _rule(_const(0.7)), compression="fp32", mode="stop", **kw) as h:
+            target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+        drafted[name] = np.mean([s.drafted for s in h.stats])
+    assert drafted["cheap"] < drafted["own"]
+    with pytest.raises(ValueError, match="not live costs"):
+        attach(target, _rule(_const(0.7)), compression="fp32", mode="stop", costs="live")
+    with pytest.raises(ValueError, match="cost model file not found"):
+        attach(target, _rule(_const(0.7)), compression="fp32", mode="stop", costs=str(tmp_path / "none.json"))
+    with pytest.raises(TypeError, match="needs a StopRule"):
+        attach(target, lambda f: 2, compression="fp32", mode="stop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a good rule warns about nothing
+        with attach(target, _rule(_const(0.7)), compression="fp32", mode="stop"):
+            target.generate(ids, max_new_tokens=5, do_sample=False, assistant_model=draft)
