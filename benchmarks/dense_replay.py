@@ -12,7 +12,9 @@ every position, the chance that speculative sampling keeps the draft's token the
 ``--replications`` draws of those keep/reject events, pooled. Every arm is then
 walked through those texts the way generation would walk it (decide, keep what matches, advance, update the
 history) and priced with the calibration. Beside each arm: what the step-log replay (``speckv-eval``'s evaluator, on
-the same prompts) and the race measured, as tokens/s and as a ratio to fixed gamma 2.
+the same prompts) and the race measured, as tokens/s and as a ratio to fixed gamma 2. The arm ``stop`` is the
+cost-aware stop rule of ``--stop-rule`` (default ``exported/smollm2-stop.json``), re-priced like the exports; the
+step-log replay has no stop mode.
 
 A second table per level gives the same replay with the issue's statistics: tokens/s pooled over the prompts, paired
 bootstrap 95% CIs over prompts for x the target alone and x the best fixed gamma (0..8, re-chosen in every resample),
@@ -52,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         "--all-heldout", action="store_true", help="every held-out prompt of --log at fp32/INT8/NF4, no race beside it"
     )
     ap.add_argument("--pairs", type=export_arm_pairs, default=DEFAULT_PAIRS, help="comma-separated EXPORT=RACE_ARM")
+    ap.add_argument(
+        "--stop-rule",
+        default="exported/smollm2-stop.json",
+        help="a cost-aware stop rule (speckv-export --stop-rule) replayed as the arm 'stop', re-priced like the "
+        "exports; '' leaves it out",
+    )
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--draft", default="datasets/smollm2/draft")
     ap.add_argument("--decoding", choices=("greedy", "sampling"), default="greedy")
@@ -64,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--decoding sampling needs --temperature > 0 and --replications >= 1")
     import os
 
-    for f in [args.costs, args.log, args.prompts] + ([] if args.all_heldout else [args.race]):
+    files = [args.costs, args.log, args.prompts] + ([] if args.all_heldout else [args.race])
+    for f in files + ([args.stop_rule] if args.stop_rule else []):
         if not os.path.isfile(f):
             ap.error(f"{f}: no such file")
 
@@ -95,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from speckv_policy.runtime import PolicyLoadError, RuntimePolicy
     from speckv_policy.schema import COMPRESSION_CODES
     from speckv_policy.smollm2.models import SMOLLM2_MODELS
+    from speckv_policy.stop import StopRule, StopRuleError
 
     log = read_log(args.log)
     if args.all_heldout:  # every held-out prompt of the log, no race beside it
@@ -122,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
             msg = str(exc)
             ap.error(msg if msg.startswith(path) else f"{path}: {msg}")
         exports[arm] = (rt, modes[fs])
+    stop = None
+    if args.stop_rule:
+        try:
+            stop = StopRule.load(args.stop_rule).reprice(cost)
+        except (StopRuleError, ValueError) as exc:
+            ap.error(str(exc))
+    ours = list(exports) + (["stop"] if stop is not None else [])
     # the step-log replay of the same exports on the same prompts (what speckv-eval reports, restricted to them)
     replay_cost = replace(cost, decision_draft_tokens=1)  # as speckv-eval --costs prices an upfront policy
     chooser = {arm: load_for_eval(path, cost_model=replay_cost) for path, arm in pairs.items()}
@@ -175,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         arms["fixed-4"] = ("fixed", lambda s: 4, None)
         for arm, (rt, mode) in exports.items():
             arms[arm] = (mode, rt.decide, rt.decide_gate if mode == "gated" else None)
+        if stop is not None:
+            arms["stop"] = ("stop", stop, None)
         priced = dict(compression=comp, cost=cost)
         res = {a: over(simulate, m, f, gate=g, temperature=temp, **priced) for a, (m, f, g) in arms.items()}
         mask = (es.rows["compression"] == comp).to_numpy() & (es.rows["decoding"] == args.decoding).to_numpy()
@@ -188,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             on_rate, on_zero = _online(sel, a)
             name = "fixed-0" if a == "target" else a  # the step-log replay's name for the target alone
             rep = " | "  # the log profiled these prompts in this decoding? (sampling: 15 of the 48 held-out ones)
-            if mask.any():
+            if mask.any() and name in replay:  # the step-log replay has no stop mode
                 ratio = _replay_rate(replay[name], mask) / _replay_rate(replay["fixed-2"], mask)
                 rep = f"{ratio:.3f} | {np.mean(replay[name].chosen[mask] == 0):.2f}"
             print(
@@ -220,13 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         res.update(peers)
         ci_tables.append(
-            _ci_table(comp, res, list(exports), list(peers), [p.task_type for p in prompts], [p.id for p in prompts])
+            _ci_table(comp, res, ours, list(peers), [p.task_type for p in prompts], [p.id for p in prompts])
         )
         bound = {
             f"perfect gate, then fixed-{g}": over(simulate_hindsight, functools.partial(_perfect_gate, g), **priced)
             for g in range(1, 5)
         }
-        headroom.append(_headroom(comp, [t for d in draws for t in d], res, bound, exports))
+        headroom.append(_headroom(comp, [t for d in draws for t in d], res, bound, ours))
     print("\n".join(ci_tables))
     print("\n".join(headroom))
     return 0
@@ -312,7 +331,7 @@ def _branch(draft, ids: list, eos: set, pad: int, sampling: dict | None) -> tupl
     return c.tolist(), e.tolist()
 
 
-def _headroom(comp: str, texts: list, res: dict, bound: dict, exports: dict) -> str:
+def _headroom(comp: str, texts: list, res: dict, bound: dict, ours_names: list[str]) -> str:
     """What a perfect first-token gate is worth, and how well the signals a policy has predict it (ROC AUC)."""
     import numpy as np
     from sklearn.metrics import roc_auc_score
@@ -325,7 +344,7 @@ def _headroom(comp: str, texts: list, res: dict, bound: dict, exports: dict) -> 
         "| level | rule | tok/s | x target alone | x fixed-2 | x oracle | gamma-0 share |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    ours = {a: res[a] for a in exports}
+    ours = {a: res[a] for a in ours_names}
     for name, r in {"oracle in hindsight": res["oracle"], **bound, **ours}.items():
         v = r.tokens_per_second
         rows.append(

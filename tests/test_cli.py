@@ -325,3 +325,45 @@ def test_speckv_eval_prices_everything_with_a_calibration(tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and str(bad) in err
     assert not (tmp_path / "never").exists()
+
+
+def test_export_a_stop_rule_reprice_it_and_the_shipped_one_is_what_the_command_writes(
+    log_path, tmp_path, capsys, monkeypatch
+):
+    from speckv_policy.objective import CostModel
+    from speckv_policy.stop import StopRule
+
+    out = tmp_path / "stop.json"
+    assert export_cli.main(["--stop-rule", str(out), "--train", str(log_path), "--token-value", "1.2"]) == 0
+    text = capsys.readouterr().out
+    assert "mode='stop'" in text and "held-out" in text
+    rule = StopRule.load(out)
+    assert rule.token_value == 1.2 and rule.trained_on["log"] == str(log_path)
+    costs = tmp_path / "costs.json"
+    cheap = CostModel((1.0,) * 3, (5.0,) * 3, (0.5,) * 3)
+    cheap.save(costs)
+    assert export_cli.main(["--reprice", str(costs), str(out), str(tmp_path / "here.json")]) == 0
+    here = StopRule.load(tmp_path / "here.json")
+    assert here.cost_model == cheap and here.curves == rule.curves
+    # errors: a policy kind with --stop-rule, a bad token value, a missing log; a failed write keeps the old file
+    before = out.read_bytes()
+    assert export_cli.main(["--stop-rule", str(out), "--policy", "gbt"]) == 2
+    assert export_cli.main(["--stop-rule", str(out), "--token-value", "0"]) == 2
+    assert export_cli.main(["--stop-rule", str(out), "--train", str(tmp_path / "none.parquet")]) == 2
+    assert "step log not found" in capsys.readouterr().err and out.read_bytes() == before
+    # the shipped rule is what datasets/smollm2/build.sh's command writes (curves to float rounding across machines)
+    monkeypatch.chdir(ROOT)
+    again = tmp_path / "again.json"
+    assert export_cli.main(["--stop-rule", str(again), "--train", "datasets/smollm2/steps.parquet"]) == 0
+    shipped, made = StopRule.load(ROOT / "exported" / "smollm2-stop.json"), StopRule.load(again)
+    assert shipped.cost_model == made.cost_model and shipped.trained_on == made.trained_on
+    assert (
+        set(shipped.curves)
+        == set(made.curves)
+        == {(c, d) for c in ("fp32", "int8", "nf4") for d in ("greedy", "sampling")}
+    )
+    for key, pair in shipped.curves.items():
+        for a, b in zip(pair, made.curves[key]):
+            assert a.rows == b.rows and np.allclose(
+                [a.intercept, *a.coef], [b.intercept, *b.coef], rtol=1e-4, atol=1e-6
+            )

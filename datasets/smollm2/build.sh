@@ -52,6 +52,8 @@ for k in gbt mlp table; do
     .venv/bin/speckv-export "exported/smollm2-$k-gated.onnx" --train datasets/smollm2/steps.parquet --policy "$k" \
         --feature-set gated --decision-draft-tokens 1 --history-rounds 2
 done
+#    ... and the cost-aware stop rule (per-token acceptance curves, JSON; attach(..., mode="stop")) -> exported/smollm2-stop.json
+.venv/bin/speckv-export --stop-rule exported/smollm2-stop.json --train datasets/smollm2/steps.parquet
 
 # 5. Offline evaluation on the held-out prompts (paired bootstrap, seconds) -> docs/eval/
 .venv/bin/speckv-eval

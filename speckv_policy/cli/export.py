@@ -6,6 +6,8 @@ speckv-export model.onnx                       # the default: GBT trained on the
 speckv-export model.onnx --train datasets/synthetic/steps.parquet --policy gbt
 speckv-export model.onnx --policy saved.joblib
 speckv-export --reprice costs.json model.onnx model-here.onnx   # costs from speckv-calibrate
+speckv-export --stop-rule stop.json            # a cost-aware stop rule (attach(..., mode="stop")), JSON
+speckv-export --reprice costs.json stop.json stop-here.json
 """
 
 from __future__ import annotations
@@ -98,6 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --train: also train on the history the policy itself writes, replaying the training runs with "
         "its own choices this many times (DAgger-style; default 0: the profile's logged history only)",
     )
+    p.add_argument(
+        "--stop-rule",
+        action="store_true",
+        help=f"write a cost-aware stop rule (JSON) for attach(..., mode='stop') instead of an ONNX policy: per-token "
+        f"acceptance curves fitted on --train LOG's 'train' split (default {DEFAULT_LOG}), priced by its cost model",
+    )
+    p.add_argument(
+        "--token-value",
+        type=float,
+        default=1.0,
+        help="with --stop-rule: what a kept token is worth, in plain target steps (default 1.0)",
+    )
     p.add_argument("--device", help="device whose timings to fit when the log has several")
     p.add_argument("--save-policy", metavar="JOBLIB", help="also save the fitted Python policy")
     p.add_argument(
@@ -111,11 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _reprice(args: argparse.Namespace) -> int:
     from ..export import reprice_onnx, write_onnx
     from ..objective import CostModel
+    from ..stop import StopRule
 
     if len(args.paths) != 2:
         print("speckv-export: error: --reprice takes INPUT.onnx OUTPUT.onnx", file=sys.stderr)
         return 2
     src, dst = args.paths
+    if src.endswith(".json"):  # a stop rule: the same curves, new prices
+        try:
+            cm = CostModel.load(args.reprice)
+            StopRule.load(src).reprice(cm).save(dst)
+        except (ValueError, OSError) as exc:
+            return fail("speckv-export", exc)
+        print(f"re-priced the stop rule {src} -> {dst} with the cost model in {args.reprice} ({cm.unit}):")
+        for line in cm.describe():
+            print(f"  {line}")
+        return 0
     try:
         import onnx
 
@@ -141,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     exit_cleanly_on_sigterm()
     if args.reprice:
         return _reprice(args)
+    if args.stop_rule:
+        return _stop_rule(args)
     if len(args.paths) != 1:
         print(
             "speckv-export: error: give one OUTPUT.onnx (or --reprice COSTS_JSON INPUT.onnx OUTPUT.onnx)",
@@ -268,3 +295,48 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
+
+
+def _stop_rule(args: argparse.Namespace) -> int:
+    """``--stop-rule``: fit, write (atomically) and describe a cost-aware stop rule."""
+    from ..logs import LogValidationError, read_log
+    from ..objective import CostModel
+    from ..training import fit_stop_rule, stop_rule_rows
+
+    if len(args.paths) != 1:
+        print("speckv-export: error: --stop-rule writes one OUTPUT.json", file=sys.stderr)
+        return 2
+    out = args.paths[0]
+    if args.policy is not None:
+        print("speckv-export: error: --stop-rule trains its own curves; drop --policy", file=sys.stderr)
+        return 2
+    if not (np.isfinite(args.token_value) and args.token_value > 0):
+        print(f"speckv-export: error: --token-value must be > 0, got {args.token_value}", file=sys.stderr)
+        return 2
+    train = args.train or DEFAULT_LOG
+    try:
+        if not os.path.exists(train):
+            raise FileNotFoundError(f"step log not found: {train}")
+        log = read_log(train)
+        cm = CostModel.fit(log, device=args.device) if args.cost_model == "fit" else CostModel.relative()
+        rule = fit_stop_rule(log, cm, token_value=args.token_value, source=train)
+        rule.save(out)
+    except (LogValidationError, ValueError, OSError) as exc:
+        return fail("speckv-export", exc)
+    print(f"wrote a cost-aware stop rule -> {out} (attach(..., mode='stop'))")
+    print(f"  trained on {train}'s 'train' split; a kept token is worth {rule.token_value:g} plain target step(s)")
+    held = stop_rule_rows(log, "heldout") if (log["split"] == "heldout").any() else {}
+    for (comp, dec), (now, _) in sorted(rule.curves.items()):
+        line = f"  {comp}/{dec}: fitted on {now.rows} draft tokens"
+        if (comp, dec) in held and len(held[(comp, dec)][1]):
+            X, y = held[(comp, dec)][0], held[(comp, dec)][1]
+            p = np.array([now(x) for x in X.tolist()])
+            line += (
+                f"; held-out {len(y)} tokens: accepted {y.mean():.3f}, predicted {p.mean():.3f}, "
+                f"log loss {-np.mean(y * np.log(p + 1e-12) + (1 - y) * np.log(1 - p + 1e-12)):.3f}"
+            )
+        print(line)
+    print(
+        f"  priced with the cost model of device {cm.device} ({cm.unit}); re-price: speckv-export --reprice COSTS {out} OUT.json"
+    )
+    return 0

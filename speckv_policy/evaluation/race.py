@@ -39,7 +39,8 @@ rotates from prompt to prompt so no arm always runs first):
   ``{mlp,gbt,table}-pre`` where ``exported/`` holds ``*-pre.onnx``: policies on the ``pre`` features that choose
   gamma before drafting (``attach(..., mode="pre")``), no probe; ``{mlp,gbt,table}-gated`` where it holds
   ``*-gated.onnx``: a pre-draft gate, then a length head after the probe (``attach(..., mode="gated")``); both also
-  ``*-repriced`` by the calibration when there is one.
+  ``*-repriced`` by the calibration when there is one; ``stop`` (and ``stop-repriced``) where it holds
+  ``stop.json``: the cost-aware stop rule (``attach(..., mode="stop")``, :mod:`speckv_policy.stop`).
 
 Every greedy output is compared with the target's own greedy output for the same prompt;
 any difference is reported (and makes the exit status 1). Results: medians of time per output
@@ -57,6 +58,7 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..runtime import RuntimePolicy
+from ..stop import StopRule
 from ..schema import COMPRESSION_CODES, ONLINE
 from .report import save_figure
 
@@ -64,6 +66,8 @@ BEGIN, END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 #: The peers' adaptive rules (the bar the issue sets for ours).
 PEER_RULES = ("hf-default", "hf-heuristic", "adaedl", "sglang-adaptive", "vllm-dynamic")
 OURS = ("mlp", "gbt", "table")
+#: Name prefixes of our arms: the policy kinds and the cost-aware stop rule (``stop``, ``stop-repriced``).
+OURS_PREFIXES = (*OURS, "stop")
 ADAEDL_GAMMA, ADAEDL_BASE, ADAEDL_GAIN = 0.2, 0.5, 0.3
 BACKOFF = 8  # probe back-off cap of the *-backoff arms (attach(..., probe_backoff=8))
 
@@ -300,17 +304,24 @@ def make_arms(
                 arms.append(ArmSpec(f"{kind}-{mode}", policy=export, group="ours", mode=mode))
                 if costs is not None:
                     arms.append(ArmSpec(f"{kind}-{mode}-repriced", policy=export, group="ours", mode=mode, costs=costs))
+    stop = policy_dir / f"{prefix}stop.json"
+    if stop.exists():  # the cost-aware stop rule (attach(..., mode="stop")), as shipped and re-priced
+        arms.append(ArmSpec("stop", policy=stop, group="ours", mode="stop"))
+        if costs is not None:
+            arms.append(ArmSpec("stop-repriced", policy=stop, group="ours", mode="stop", costs=costs))
     if names:
         unknown = sorted(set(names) - {a.name for a in arms})
         if unknown:
             raise SystemExit(f"e2e: unknown arm(s) {', '.join(unknown)}; known: {', '.join(a.name for a in arms)}")
         arms = [a for a in arms if a.name in names or a.name == "target"]
-    loaded: dict[Path, RuntimePolicy] = {}
+    loaded: dict[Path, RuntimePolicy | StopRule] = {}
     for a in arms:
         if isinstance(a.policy, Path):
             if not a.policy.exists():
                 raise SystemExit(f"e2e: policy file for arm {a.name} not found: {a.policy} (run speckv-quickstart)")
-            a.policy = loaded.setdefault(a.policy, RuntimePolicy(a.policy))  # load once, not per run
+            if a.policy not in loaded:  # load once, not per run
+                loaded[a.policy] = StopRule.load(a.policy) if a.mode == "stop" else RuntimePolicy(a.policy)
+            a.policy = loaded[a.policy]
     return arms
 
 
@@ -473,7 +484,7 @@ def _fmt(x: float | None) -> str:
 def markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
     arms = result["arms"]
-    ours = [a for a in arms if a.split("-")[0] in OURS]
+    ours = [a for a in arms if a.split("-")[0] in OURS_PREFIXES]
     precision = f" in {cfg['draft_precision']}" if cfg.get("draft_precision") else ""  # runs before it did not say
     linear = cfg.get("target_linear", "default")
     target_linear = f" (float32 linear layers on {linear})" if linear != "default" else ""
@@ -605,7 +616,7 @@ def goals(result: dict[str, Any]) -> list[str]:
     """
     out = []
     s = result["summary"]
-    ours = [a for a in result["arms"] if a.split("-")[0] in OURS]
+    ours = [a for a in result["arms"] if a.split("-")[0] in OURS_PREFIXES]
     for comp in result["config"]["compressions"]:
         for dec in _decodings(result):
             out += _block_goals(s, ours, comp, dec)
