@@ -324,11 +324,12 @@ def test_dense_replay_benchmark_on_the_logs_heldout_prompts_without_a_race():
     assert rows["fixed-2"][8] == "" and rows["fixed-2"][9] == ""  # no race beside it
     # the second table: pooled, with paired bootstrap CIs and the oracle in hindsight
     ci = {r[2]: r for r in table_rows(stdout, "fp32") if r[1] == "all (2)"}
-    assert {"oracle", "gbt-pre-repriced", "gbt-gated-repriced"} <= set(ci)
+    assert {"oracle", "gbt-pre-repriced", "gbt-gated-repriced", "stop"} <= set(ci)  # stop: exported/smollm2-stop.json
     assert {"adaedl", "sglang-adaptive", "vllm-dynamic", "hf-heuristic"} <= set(ci)  # the peers' rules
     assert ci["oracle"][9] == "1.000" and float(ci["oracle"][4]) >= 1.0
     assert ci[ci["oracle"][8]][7] == "1.000"  # the best peer against itself
-    for arm in ("gbt-pre-repriced", "gbt-gated-repriced"):
+    assert rows["stop"][6] == "" and float(rows["stop"][5]) > 1.0  # no step-log replay of a stop rule
+    for arm in ("gbt-pre-repriced", "gbt-gated-repriced", "stop"):
         ratio, lo, hi = (float(v) for v in ci[arm][4].replace("[", "").replace("]", "").replace(",", " ").split())
         assert lo <= ratio <= hi
         assert ratio == pytest.approx(float(ci[arm][3]) / float(rows["target"][2]), abs=2e-3)
@@ -379,6 +380,8 @@ def test_bad_pairs_and_exports_get_a_clear_error():
     for script, args, why in (
         ("dense_replay.py", ["--pairs", "exported/smollm2-paper-mlp16.onnx=p"], "feature set 'paper' has no"),
         ("dense_replay.py", ["--race", "nope.json"], "nope.json: no such file"),
+        ("dense_replay.py", ["--stop-rule", "nope.json"], "nope.json: no such file"),
+        ("dense_replay.py", ["--stop-rule", "docs/onednn_costs.json"], "docs/onednn_costs.json: 'format'"),
         ("online_offline.py", ["--costs", "nope.json"], "nope.json: no such file"),
     ):
         proc = subprocess.run(

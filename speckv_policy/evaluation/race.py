@@ -58,8 +58,8 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..runtime import RuntimePolicy
-from ..stop import StopRule
 from ..schema import COMPRESSION_CODES, ONLINE
+from ..stop import StopRule
 from .report import save_figure
 
 BEGIN, END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
