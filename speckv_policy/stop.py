@@ -143,10 +143,9 @@ class StopState:
         i = self.drafted
         self._s *= self._now(x)
         self._cum += self._s
-        if i < len(self._verify):
-            v = self._v * self._cum - self._verify[i]
-            if v > self.best:
-                self.best, self.kept = v, i
+        v = self._v * self._cum - self._verify[i]
+        if v > self.best:
+            self.best, self.kept = v, i
         if i >= self._cap:
             return False
         pn = self._next(x)  # each later token's chance, extrapolated from this token's signals
@@ -185,6 +184,8 @@ class StopRule:
     token_value: float = 1.0
     max_gamma: int = 8
     trained_on: Mapping[str, Any] = field(default_factory=dict)
+    #: per compression code: verify ms for gamma 0..max_gamma and draft ms per token (priced once, not per step)
+    _prices: dict[int, tuple[list[float], float]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.curves:
@@ -199,6 +200,14 @@ class StopRule:
             raise ValueError(f"token_value must be finite and > 0, got {self.token_value!r}")
         if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int) or not 1 <= self.max_gamma <= 64:
             raise ValueError(f"max_gamma must be an int in 1..64, got {self.max_gamma!r}")
+        prices = {
+            code: (
+                [float(v) for v in self.cost_model.verify_ms(list(range(self.max_gamma + 1)), code)],
+                float(self.cost_model.draft_ms_per_token[code]),
+            )
+            for code in set(COMPRESSION_CODES.values())
+        }
+        object.__setattr__(self, "_prices", prices)
 
     def curves_for(self, compression: str, temperature: float) -> tuple[AcceptanceCurve, AcceptanceCurve]:
         """The curves for a compression and decoding (temperature 0: greedy).
@@ -230,10 +239,8 @@ class StopRule:
             See :meth:`curves_for`.
         """
         now, nxt = self.curves_for(compression, temperature)
-        code = COMPRESSION_CODES[compression]
+        verify, per_token = self._prices[COMPRESSION_CODES[compression]]
         cap = max(0, min(int(cap), self.max_gamma))
-        verify = [float(v) for v in self.cost_model.verify_ms(list(range(cap + 1)), code)]
-        per_token = float(self.cost_model.draft_ms_per_token[code])
         return StopState(now, nxt, verify, per_token, verify[0] * self.token_value, cap, context_match_len)
 
     def reprice(self, cost: CostModel | str | os.PathLike[str] | dict[str, Any]) -> StopRule:

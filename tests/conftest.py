@@ -112,3 +112,34 @@ def table_rows(text: str, *firsts: str) -> list[list[str]]:
     """The cells (stripped) of the Markdown table rows in ``text`` whose first cell starts with one of ``firsts``."""
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| ")]
     return [r for r in rows if r and r[0].startswith(firsts)]
+
+
+def teacher_forced_text(target, draft, ids, n: int, branch: int = 7):
+    """The target's greedy text after ``ids`` (``n`` new tokens) as a dense-replay ``DenseText``: the draft's
+    teacher-forced proposals, their confidences and entropies, and its own greedy branch (``branch`` tokens) after
+    every wrong proposal. Returns ``(text, ref)``, ``ref`` the target's output ids."""
+    import torch
+
+    from speckv_policy.evaluation.dense import DenseText, match_runs
+    from speckv_policy.features import draft_token_stats_from_logits
+
+    with torch.inference_mode():
+        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
+        own = draft(ref).logits[0][ids.shape[1] - 1 : -1]
+        conf, ent = draft_token_stats_from_logits(own)
+        plen, seq = ids.shape[1], ref[0].tolist()
+        proposals = own.argmax(-1).tolist()
+        branches = {}
+        for j, (mine, true) in enumerate(zip(proposals, seq[plen:])):
+            if mine != true:
+                g = draft.generate(
+                    torch.tensor([seq[: plen + j] + [mine]]),
+                    max_new_tokens=branch,
+                    do_sample=False,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+                c, e = draft_token_stats_from_logits(torch.stack(g.scores, 1)[0])
+                branches[j] = (c.tolist(), e.tolist())
+    runs = match_runs(proposals, seq[plen:], branch + 1)
+    return DenseText(seq, plen, runs, conf.tolist(), ent.tolist(), branches), ref

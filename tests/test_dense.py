@@ -13,7 +13,7 @@ from speckv_policy.evaluation.dense import DenseText, hindsight_oracle, match_ru
 from speckv_policy.objective import CostModel
 from speckv_policy.testing import tiny_llama_pair
 
-from .conftest import run_benchmark, table_rows
+from .conftest import run_benchmark, table_rows, teacher_forced_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,39 +142,20 @@ def test_per_token_mode_keeps_and_stops_as_the_hook_does():
 def test_per_token_mode_takes_the_hooks_own_steps_on_a_tiny_pair():
     """Greedy generation through the hook in per-token mode with a confidence stop, against the simulation on
     the target's text, the draft's teacher-forced pass and its branches after each wrong token: the same steps."""
-    from speckv_policy.features import draft_token_stats_from_logits
     from speckv_policy.hf import attach
 
     target, draft = tiny_llama_pair(seed=5, noise=0.05)
     ids = torch.tensor([[1, 7, 3, 9, 4, 7, 3]])
     n = 28
-    with torch.inference_mode():
-        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
-        own = draft(ref).logits[0][ids.shape[1] - 1 : -1]
-        conf, ent = draft_token_stats_from_logits(own)
-        cut = float(conf.median())
+    text, ref = teacher_forced_text(target, draft, ids, n)
+    cut = float(np.median(text.conf))
 
-        def stop_rule(features):  # keep and go on above the median confidence, else drop and stop
-            return 2 if features[0] > cut else 0
+    def stop_rule(features):  # keep and go on above the median confidence, else drop and stop
+        return 2 if features[0] > cut else 0
 
-        with attach(target, stop_rule, mode="per-token", feature_set="online", max_gamma=8) as h:
-            out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
-        plen, seq = ids.shape[1], ref[0].tolist()
-        proposals = own.argmax(-1).tolist()
-        branches = {}
-        for j, (mine, true) in enumerate(zip(proposals, seq[plen:])):
-            if mine != true:
-                g = draft.generate(
-                    torch.tensor([seq[: plen + j] + [mine]]),
-                    max_new_tokens=7,
-                    do_sample=False,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                )
-                c, e = draft_token_stats_from_logits(torch.stack(g.scores, 1)[0])
-                branches[j] = (c.tolist(), e.tolist())
+    with torch.inference_mode(), attach(target, stop_rule, mode="per-token", feature_set="online", max_gamma=8) as h:
+        out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
-    text = DenseText(seq, plen, match_runs(proposals, seq[plen:], 8), conf.tolist(), ent.tolist(), branches)
     res = simulate([text], "per-token", stop_rule, compression="fp32", cost=_cost())
     hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
     assert list(zip(res.gammas.tolist(), res.accepted.tolist())) == hook  # every step, the last included

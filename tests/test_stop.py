@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from speckv_policy.evaluation.dense import DenseText, match_runs, simulate
+from speckv_policy.evaluation.dense import simulate
 from speckv_policy.objective import CostModel
 from speckv_policy.runtime import PolicyFallbackWarning
 from speckv_policy.stop import STOP_FEATURES, AcceptanceCurve, StopRule, StopRuleError, stop_features
 from speckv_policy.testing import tiny_llama_pair
+
+from .conftest import teacher_forced_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
 
@@ -202,35 +204,16 @@ def test_greedy_output_is_the_targets_in_stop_mode(pair, seed):
 def test_stop_mode_takes_the_replays_steps_on_a_tiny_pair(pair):
     """Greedy generation through the hook in stop mode against dense.simulate on the target's text, the draft's
     teacher-forced pass and its branches after each wrong token: the same steps, the last included."""
-    from speckv_policy.features import draft_token_stats_from_logits
     from speckv_policy.hf import attach
 
     target, draft = pair
     ids = torch.tensor([[1, 7, 3, 9, 4, 7, 3]])
     n = 28
     rule = _rule(AcceptanceCurve(-3.0, (4.0, -0.2, -0.3, 0.5)), AcceptanceCurve(-1.0, (3.0, 0.0, 0.0, 0.5)))
-    with torch.inference_mode():
-        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
-        with attach(target, rule, mode="stop", compression="fp32") as h:
-            out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
-        own = draft(ref).logits[0][ids.shape[1] - 1 : -1]
-        conf, ent = draft_token_stats_from_logits(own)
-        plen, seq = ids.shape[1], ref[0].tolist()
-        proposals = own.argmax(-1).tolist()
-        branches = {}
-        for j, (mine, true) in enumerate(zip(proposals, seq[plen:])):
-            if mine != true:
-                g = draft.generate(
-                    torch.tensor([seq[: plen + j] + [mine]]),
-                    max_new_tokens=7,
-                    do_sample=False,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                )
-                c, e = draft_token_stats_from_logits(torch.stack(g.scores, 1)[0])
-                branches[j] = (c.tolist(), e.tolist())
+    text, ref = teacher_forced_text(target, draft, ids, n)
+    with torch.inference_mode(), attach(target, rule, mode="stop", compression="fp32") as h:
+        out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
-    text = DenseText(seq, plen, match_runs(proposals, seq[plen:], 8), conf.tolist(), ent.tolist(), branches)
     res = simulate([text], "stop", rule, compression="fp32", cost=_cost())
     hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
     assert list(zip(res.gammas.tolist(), res.accepted.tolist())) == hook

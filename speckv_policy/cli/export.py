@@ -128,34 +128,31 @@ def _reprice(args: argparse.Namespace) -> int:
     from ..stop import StopRule
 
     if len(args.paths) != 2:
-        print("speckv-export: error: --reprice takes INPUT.onnx OUTPUT.onnx", file=sys.stderr)
+        print(
+            "speckv-export: error: --reprice takes INPUT.onnx OUTPUT.onnx (or a stop rule's INPUT.json OUTPUT.json)",
+            file=sys.stderr,
+        )
         return 2
     src, dst = args.paths
-    if src.endswith(".json"):  # a stop rule: the same curves, new prices
-        try:
-            cm = CostModel.load(args.reprice)
-            StopRule.load(src).reprice(cm).save(dst)
-        except (ValueError, OSError) as exc:
-            return fail("speckv-export", exc)
-        print(f"re-priced the stop rule {src} -> {dst} with the cost model in {args.reprice} ({cm.unit}):")
-        for line in cm.describe():
-            print(f"  {line}")
-        return 0
+    rule = src.endswith(".json")  # a stop rule: the same curves, new prices
     try:
-        import onnx
-
         cm = CostModel.load(args.reprice)
-        if not os.path.isfile(src):
-            raise FileNotFoundError(f"export not found: {src}")
-        try:
-            model = onnx.load(src)
-        except Exception as exc:  # protobuf's DecodeError and friends
-            raise ValueError(f"{src}: not a readable ONNX file ({exc})") from None
-        new = reprice_onnx(model, cm)
-        write_onnx(new, dst)
+        if rule:
+            StopRule.load(src).reprice(cm).save(dst)
+        else:
+            import onnx
+
+            if not os.path.isfile(src):
+                raise FileNotFoundError(f"export not found: {src}")
+            try:
+                model = onnx.load(src)
+            except Exception as exc:  # protobuf's DecodeError and friends
+                raise ValueError(f"{src}: not a readable ONNX file ({exc})") from None
+            write_onnx(reprice_onnx(model, cm), dst)
     except (ValueError, OSError) as exc:
         return fail("speckv-export", exc)
-    print(f"re-priced {src} -> {dst} with the cost model in {args.reprice} ({cm.unit}, device {cm.device}):")
+    what = "the stop rule " if rule else ""
+    print(f"re-priced {what}{src} -> {dst} with the cost model in {args.reprice} ({cm.unit}, device {cm.device}):")
     for line in cm.describe():
         print(f"  {line}")
     return 0
