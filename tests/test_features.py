@@ -41,6 +41,10 @@ def test_token_stats_torch_equals_numpy_and_logits():
         np.testing.assert_allclose(c, c_np, rtol=1e-5)
         np.testing.assert_allclose(h, h_np, rtol=1e-5, atol=1e-6)
     assert c_l[1] == 1.0 and h_l[1] == 0.0
+    for row in range(4):  # one distribution (the per-token path, a dot product) as each row of a batch
+        c1, h1 = draft_token_stats_from_logits(torch.tensor(logits[row]))
+        assert c1.dim() == 0 and float(c1) == pytest.approx(c_np[row], rel=1e-5)
+        assert float(h1) == pytest.approx(h_np[row], rel=1e-5, abs=1e-6)
     c_half, h_half = draft_token_stats_from_logits(torch.tensor(logits).half())  # fp16 logits are upcast first
     assert np.isfinite(c_half.numpy()).all() and np.isfinite(h_half.numpy()).all()
 
