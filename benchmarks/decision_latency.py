@@ -140,6 +140,23 @@ def _in_generation(exported: str, pattern: str, report, target_linear: str = "de
                     f"{engine}, inside generate (distilled draft, upfront mode, us per decision)",
                     np.asarray(upfront),
                 )
+    if draft is None:
+        return
+    for path in sorted(Path(exported).glob("*stop*.json")):  # cost-aware stop rules: one decision per draft token
+        per_token, gates = [], []
+        for ids in inputs:
+            with attach(target, str(path), compression="fp32", mode="stop") as h:
+                target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
+            per_token += [(s.decision_us - s.signals_us) / s.drafted for s in h.stats if s.drafted]
+            gates += [s.decision_us - s.signals_us for s in h.stats if not s.drafted and s.decision_us > s.signals_us]
+        report(
+            path.stem,
+            "Python, inside generate (distilled draft, stop mode, us per draft token: its statistics + the rule; "
+            "a gate's share included)",
+            np.asarray(per_token),
+        )
+        if gates:
+            report(path.stem, "Python, ... a step its gate keeps plain (us per step: the gate)", np.asarray(gates))
 
 
 def _after_forward(exported: str, pattern: str, report, target_linear: str = "default") -> None:

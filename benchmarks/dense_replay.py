@@ -13,8 +13,9 @@ every position, the chance that speculative sampling keeps the draft's token the
 walked through those texts the way generation would walk it (decide, keep what matches, advance, update the
 history) and priced with the calibration. Beside each arm: what the step-log replay (``speckv-eval``'s evaluator, on
 the same prompts) and the race measured, as tokens/s and as a ratio to fixed gamma 2. The arm ``stop`` is the
-cost-aware stop rule of ``--stop-rule`` (default ``exported/smollm2-stop.json``), re-priced like the exports; the
-step-log replay has no stop mode.
+cost-aware stop rule of ``--stop-rule`` (default ``exported/smollm2-stop.json``), re-priced like the exports;
+``stop-gated`` is the same rule with a pre-draft gate fitted here, under the same prices, on ``--log``'s train split
+(``speckv_policy.training.fit_stop_gates``). The step-log replay has no stop mode.
 
 A second table per level gives the same replay with the issue's statistics: tokens/s pooled over the prompts, paired
 bootstrap 95% CIs over prompts for x the target alone and x the best fixed gamma (0..8, re-chosen in every resample),
@@ -138,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             stop = StopRule.load(args.stop_rule).reprice(cost)
         except (StopRuleError, ValueError) as exc:
             ap.error(str(exc))
-    ours = list(exports) + (["stop"] if stop is not None else [])
+    stop_gated = None
+    if stop is not None:  # the same rule with a pre-draft gate fitted here on the log's train split, at these prices
+        from speckv_policy.training import fit_stop_gates
+
+        stop_gated = fit_stop_gates(log, stop)
+    ours = list(exports) + (["stop", "stop-gated"] if stop is not None else [])
     # the step-log replay of the same exports on the same prompts (what speckv-eval reports, restricted to them)
     replay_cost = replace(cost, decision_draft_tokens=1)  # as speckv-eval --costs prices an upfront policy
     chooser = {arm: load_for_eval(path, cost_model=replay_cost) for path, arm in pairs.items()}
@@ -194,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             arms[arm] = (mode, rt.decide, rt.decide_gate if mode == "gated" else None)
         if stop is not None:
             arms["stop"] = ("stop", stop, None)
+            arms["stop-gated"] = ("stop", stop_gated, None)
         priced = dict(compression=comp, cost=cost)
         res = {a: over(simulate, m, f, gate=g, temperature=temp, **priced) for a, (m, f, g) in arms.items()}
         mask = (es.rows["compression"] == comp).to_numpy() & (es.rows["decoding"] == args.decoding).to_numpy()

@@ -23,6 +23,12 @@ paid one draft token (the probe). ``V`` values a token at what the target alone
 would pay for it, which makes the rule maximise tokens per second when
 speculation gains little (a Dinkelbach step from the target alone's rate).
 
+Optionally a pre-draft gate (:attr:`StopRule.gates`, :meth:`StopRule.opens`)
+decides before the probe whether to draft at all, from the run's acceptance
+history and the context's self-repetition: a logistic model of whether the
+rule's step beats a plain one, fitted on the log's steps weighted by what each
+gains or loses under the rule's prices (``training.fit_stop_gates``).
+
 The rule is data (coefficients and a :class:`~speckv_policy.objective.CostModel`
 in JSON, no code) and runs in plain Python: a few multiply-adds per draft
 token. ``speckv_policy.training.fit_stop_rule`` fits it; ``attach(..., mode="stop")``
@@ -39,9 +45,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .objective import CostModel
-from .schema import COMPRESSION_CODES
+from .schema import COMPRESSION_CODES, PRE
 
 __all__ = [
+    "GATE_FEATURES",
     "STOP_FEATURES",
     "STOP_RULE_FORMAT",
     "STOP_RULE_VERSION",
@@ -49,16 +56,26 @@ __all__ = [
     "StopRule",
     "StopRuleError",
     "StopState",
+    "gate_features",
     "stop_features",
 ]
 
 STOP_RULE_FORMAT = "speckv-stop-rule"
-STOP_RULE_VERSION = 1
+STOP_RULE_VERSION = 2  # 2 added the optional pre-draft gates
 #: The inputs of every :class:`AcceptanceCurve`, in order: the draft token's top-1 probability and entropy (nats)
 #: under the processed distribution, ``log(1 - confidence)`` (floored at 1e-6), and ``log(1 + m)`` for ``m`` the
 #: longest suffix of the context that occurred earlier in it at the step's start (``features.ContextMatcher``).
 STOP_FEATURES = ("draft_confidence", "draft_entropy", "log_one_minus_confidence", "log1p_context_match_len")
+#: The inputs of a pre-draft gate, in order, all known before any draft token exists (``features.OnlineFeatureState``
+#: and ``features.ContextMatcher``, the ``pre`` feature set's values): the previous drafting step's per-token acceptance,
+#: the decayed acceptance rate, its accepted tokens, its draft length, whether it was accepted whole, ``log(1 + context
+#: length)`` and ``log(1 + m)`` for ``m`` the context's self-repeating suffix.
+GATE_FEATURES = tuple(n for n in PRE.names if n not in ("compression_code", "temperature", "context_match_len")) + (
+    "log1p_context_match_len",
+)
 DECODINGS = ("greedy", "sampling")
+_PRE_AT = [PRE.names.index(n) for n in GATE_FEATURES[:-1]]  # where the gate's inputs sit in a 'pre' row
+_PRE_MATCH = PRE.names.index("context_match_len")
 
 
 class StopRuleError(ValueError):
@@ -75,20 +92,29 @@ def stop_features(confidence: float, entropy: float, context_match_len: float) -
     ]
 
 
+def gate_features(pre: Sequence[float]) -> list[float]:
+    """The :data:`GATE_FEATURES` of a step, from its ``pre`` row (``OnlineFeatureState.pre_values``)."""
+    return [float(pre[i]) for i in _PRE_AT] + [math.log1p(max(0.0, float(pre[_PRE_MATCH])))]
+
+
 @dataclass(frozen=True)
 class AcceptanceCurve:
-    """A logistic model of a draft token's acceptance: ``1 / (1 + exp(-(intercept + coef . x)))``.
+    """A logistic model: ``1 / (1 + exp(-(intercept + coef . x)))``.
 
-    ``x`` is :func:`stop_features`; ``rows`` is how many draft tokens it was fitted on.
+    An acceptance curve reads ``x`` = :func:`stop_features` of a draft token and
+    gives its chance of acceptance; a gate reads :func:`gate_features` of a step
+    and gives the chance that drafting pays (``features`` says which). ``rows``
+    is how many rows it was fitted on.
     """
 
     intercept: float
     coef: tuple[float, ...]
     rows: int = 0
+    features: tuple[str, ...] = STOP_FEATURES
 
     def __post_init__(self) -> None:
-        if len(self.coef) != len(STOP_FEATURES):
-            raise ValueError(f"coef needs {len(STOP_FEATURES)} values ({', '.join(STOP_FEATURES)}), got {self.coef!r}")
+        if len(self.coef) != len(self.features):
+            raise ValueError(f"coef needs {len(self.features)} values ({', '.join(self.features)}), got {self.coef!r}")
         if not all(math.isfinite(v) for v in (self.intercept, *self.coef)):
             raise ValueError(f"intercept and coef must be finite, got {self.intercept!r}, {self.coef!r}")
 
@@ -177,6 +203,14 @@ class StopRule:
         The longest draft.
     trained_on : mapping, default={}
         Provenance (log, split, rows), carried as written.
+    gates : mapping, default={}
+        ``(compression, decoding) -> gate``: a logistic model over
+        :data:`GATE_FEATURES` of the chance that drafting at all pays (the step
+        the rule would make is worth more than a plain target step, drafting
+        included). Where it says no (< 0.5) the step drafts nothing, so it does
+        not pay the probe token. Fitted under ``cost_model``'s prices
+        (:func:`~speckv_policy.training.fit_stop_rule`); :meth:`reprice` keeps it.
+        A compression and decoding without one always drafts.
     """
 
     curves: Mapping[tuple[str, str], tuple[AcceptanceCurve, AcceptanceCurve]]
@@ -184,18 +218,32 @@ class StopRule:
     token_value: float = 1.0
     max_gamma: int = 8
     trained_on: Mapping[str, Any] = field(default_factory=dict)
+    gates: Mapping[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
     #: per compression code: verify ms for gamma 0..max_gamma and draft ms per token (priced once, not per step)
     _prices: dict[int, tuple[list[float], float]] = field(init=False, repr=False, compare=False)
+    #: per (compression code, decoding): the gate, if any
+    _gate_by: dict[tuple[int, str], AcceptanceCurve] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.curves:
             raise ValueError("a stop rule needs at least one (compression, decoding) curve pair")
-        for comp, dec in self.curves:
-            if comp not in COMPRESSION_CODES or dec not in DECODINGS:
+        for what, keys in (("curve", self.curves), ("gate", self.gates)):
+            for comp, dec in keys:
+                if comp not in COMPRESSION_CODES or dec not in DECODINGS:
+                    raise ValueError(
+                        f"{what} key {comp}/{dec}: expected a compression of {', '.join(COMPRESSION_CODES)} "
+                        f"and a decoding of {', '.join(DECODINGS)}"
+                    )
+        for key, pair in self.curves.items():
+            if any(c.features != STOP_FEATURES for c in pair):
+                raise ValueError(f"curves {key[0]}/{key[1]}: acceptance curves read {list(STOP_FEATURES)}")
+        for key, gate in self.gates.items():
+            if gate.features != GATE_FEATURES:
                 raise ValueError(
-                    f"curve key {comp}/{dec}: expected a compression of {', '.join(COMPRESSION_CODES)} "
-                    f"and a decoding of {', '.join(DECODINGS)}"
+                    f"gate {key[0]}/{key[1]}: a gate reads {list(GATE_FEATURES)}, not {list(gate.features)}"
                 )
+        gate_by = {(COMPRESSION_CODES[c], d): g for (c, d), g in sorted(self.gates.items(), reverse=True)}
+        object.__setattr__(self, "_gate_by", gate_by)
         if not (math.isfinite(self.token_value) and self.token_value > 0):
             raise ValueError(f"token_value must be finite and > 0, got {self.token_value!r}")
         if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int) or not 1 <= self.max_gamma <= 64:
@@ -229,6 +277,22 @@ class StopRule:
                 return pair
         have = ", ".join(f"{c}/{d}" for c, d in sorted(self.curves))
         raise KeyError(f"the stop rule has no curves for {compression}/{decoding} (it has {have})")
+
+    def opens(self, compression: str, temperature: float, pre: Sequence[float]) -> bool:
+        """Whether to draft at all this step (True where the rule has no gate for this compression and decoding).
+
+        ``pre`` is the step's ``pre`` row (``OnlineFeatureState.pre_values``), read before any draft token.
+
+        Raises
+        ------
+        KeyError
+            If the compression is unknown.
+        """
+        code = COMPRESSION_CODES.get(compression)
+        if code is None:
+            raise KeyError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSION_CODES)}")
+        gate = self._gate_by.get((code, "greedy" if temperature == 0 else "sampling"))
+        return gate is None or gate(gate_features(pre)) >= 0.5
 
     def begin(self, compression: str, temperature: float, cap: int, context_match_len: float) -> StopState:
         """A step's state: ``cap`` tokens at most (the hook's budget), the context's self-repetition at its start.
@@ -265,6 +329,11 @@ class StopRule:
             "token_value": self.token_value,
             "max_gamma": self.max_gamma,
             "trained_on": dict(self.trained_on),
+            "gate_features": list(GATE_FEATURES),
+            "gates": {
+                f"{c}/{d}": {"intercept": g.intercept, "coef": list(g.coef), "rows": g.rows}
+                for (c, d), g in sorted(self.gates.items())
+            },
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -303,22 +372,25 @@ class StopRule:
                 comp, dec = key.split("/")
                 if not isinstance(pair, dict) or set(pair) != {"now", "next"}:
                     raise ValueError("expected an object with 'now' and 'next'")
-                made = []
-                for name in ("now", "next"):
-                    c = pair[name]
-                    if not isinstance(c, dict) or not isinstance(c.get("coef"), list):
-                        raise ValueError(f"'{name}' needs 'intercept' and a 'coef' list")
-                    vals = [c.get("intercept"), *c["coef"]]
-                    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-                        raise ValueError(f"'{name}' holds a value that is not a number")
-                    made.append(
-                        AcceptanceCurve(
-                            float(c["intercept"]), tuple(float(v) for v in c["coef"]), int(c.get("rows", 0))
-                        )
-                    )
-                curves[(comp, dec)] = (made[0], made[1])
+                now, nxt = (_curve(pair[name], name, STOP_FEATURES) for name in ("now", "next"))
+                curves[(comp, dec)] = (now, nxt)
             except (ValueError, TypeError) as exc:
                 raise StopRuleError(f"{where}: curves[{key!r}]: {exc}") from None
+        gates = {}
+        if version >= 2:
+            if d.get("gate_features") != list(GATE_FEATURES):
+                raise StopRuleError(
+                    f"{where}: 'gate_features' is {d.get('gate_features')!r}, expected {list(GATE_FEATURES)} "
+                    "(in that order)"
+                )
+            if not isinstance(d.get("gates"), dict):
+                raise StopRuleError(f"{where}: 'gates' must be a JSON object")
+            for key, gate in d["gates"].items():
+                try:
+                    comp, dec = key.split("/")
+                    gates[(comp, dec)] = _curve(gate, "gate", GATE_FEATURES)
+                except (ValueError, TypeError) as exc:
+                    raise StopRuleError(f"{where}: gates[{key!r}]: {exc}") from None
         try:
             cost = CostModel.load(d["cost_model"])
         except ValueError as exc:
@@ -330,6 +402,7 @@ class StopRule:
                 token_value=float(d.get("token_value", 1.0)),
                 max_gamma=d.get("max_gamma", 8),
                 trained_on=dict(d.get("trained_on") or {}),
+                gates=gates,
             )
         except (ValueError, TypeError) as exc:
             raise StopRuleError(f"{where}: {exc}") from None
@@ -358,3 +431,16 @@ class StopRule:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise StopRuleError(f"{where}: not a JSON stop rule ({exc})") from None
         return cls.from_dict(d, where)
+
+
+def _curve(c: Any, name: str, features: tuple[str, ...]) -> AcceptanceCurve:
+    """One curve of a rule's JSON (``{'intercept', 'coef', 'rows'}``); ValueError names what is wrong."""
+    if not isinstance(c, dict) or not isinstance(c.get("coef"), list):
+        raise ValueError(f"'{name}' needs 'intercept' and a 'coef' list")
+    vals = [c.get("intercept"), *c["coef"]]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+        raise ValueError(f"'{name}' holds a value that is not a number")
+    rows = c.get("rows", 0)
+    if isinstance(rows, bool) or not isinstance(rows, int):
+        raise ValueError(f"'{name}': 'rows' must be an integer, got {rows!r}")
+    return AcceptanceCurve(float(c["intercept"]), tuple(float(v) for v in c["coef"]), rows, features)

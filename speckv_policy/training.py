@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import joblib
@@ -14,6 +15,7 @@ from .atomic import atomic_write
 from .objective import CostModel
 from .policies import POLICIES, GammaPolicy, GatedPolicy, check_candidates, training_data
 from .policies.gated import GATED_FEATURE_SET
+from .schema import COMPRESSION_CODES
 
 DEFAULT_FEATURE_SET = {"mlp": "online", "gbt": "online", "table": "online", "fixed": "online", "paper-mlp16": "paper"}
 
@@ -226,6 +228,59 @@ def stop_rule_rows(log: pd.DataFrame, split: str | None = "train") -> dict[tuple
     return out
 
 
+def stop_gate_rows(log: pd.DataFrame, rule: Any, split: str | None = "train") -> dict[tuple[str, str], tuple[Any, Any]]:
+    """Training rows of a stop rule's pre-draft gates, per ``(compression, decoding)``: ``(X, gain)``.
+
+    For every logged step that drafted, ``X`` is its :data:`~speckv_policy.stop.GATE_FEATURES`
+    (from the run's history before it, as :func:`~speckv_policy.features.features_from_log`
+    computes the ``pre`` set) and ``gain`` what the step ``rule`` makes there is worth
+    over a plain target step, in the rule's milliseconds: it reads the step's logged
+    draft tokens (at most the logged gamma of them) as generation would, sends its
+    best prefix, and keeps ``min(sent, accepted)`` tokens, each worth a plain step's
+    time times the rule's ``token_value``, less the longer verification and the
+    drafting (per call and per token).
+
+    Raises
+    ------
+    ValueError
+        If the log lacks a column the rows need (named).
+    """
+    from .features import features_from_log
+    from .stop import gate_features
+
+    need = ("run_id", "prompt_id", "step", "split", "compression", "decoding", "temperature", "context_len")
+    need += ("gamma", "accepted", "draft_confidence", "draft_entropy", "context_match_len")
+    missing = [c for c in need if c not in log.columns]
+    if missing:
+        raise ValueError(
+            f"a stop rule's gate trains on a step log's history (per run, step by step); missing: {', '.join(missing)}"
+        )
+    X, accepted, drafted = features_from_log(log, "pre")
+    steps = log.loc[X.index]
+    keep = np.ones(len(steps), dtype=bool) if split is None else (steps["split"] == split).to_numpy()
+    cost = rule.cost_model
+    out: dict[tuple[str, str], tuple[list[list[float]], list[float]]] = {}
+    for pre, r, acc, gam in zip(
+        X.to_numpy(np.float64)[keep].tolist(), steps[keep].itertuples(), accepted[keep], drafted[keep]
+    ):
+        temp = float(r.temperature) if r.decoding == "sampling" else 0.0
+        st = rule.begin(r.compression, temp, int(gam), float(r.context_match_len))
+        for conf, ent in zip(r.draft_confidence, r.draft_entropy):
+            if not st.after_token(conf, ent):
+                break
+        code = COMPRESSION_CODES[r.compression]
+        sent = st.kept
+        gain = (
+            float(cost.verify_ms(0, code)) * (rule.token_value * min(sent, int(acc)) + 1.0)
+            - float(cost.verify_ms(sent, code))
+            - float(cost.draft_ms(st.drafted, code))
+        )
+        xs, gains = out.setdefault((str(r.compression), str(r.decoding)), ([], []))
+        xs.append(gate_features(pre))
+        gains.append(gain)
+    return {k: (np.asarray(x, dtype=np.float64), np.asarray(g, dtype=np.float64)) for k, (x, g) in out.items()}
+
+
 def fit_stop_rule(
     log: pd.DataFrame,
     cost_model: CostModel,
@@ -234,12 +289,17 @@ def fit_stop_rule(
     token_value: float = 1.0,
     max_gamma: int = 8,
     C: float = 10.0,
+    gate: bool = False,
     source: str = "",
 ) -> Any:
-    """Fit a :class:`~speckv_policy.stop.StopRule`'s acceptance curves on a step log (logistic regression).
+    """Fit a :class:`~speckv_policy.stop.StopRule` on a step log (logistic regressions).
 
-    One pair of curves per compression level and decoding the split holds with
-    both outcomes among its tokens (see :func:`stop_rule_rows`).
+    One pair of acceptance curves per compression level and decoding the split
+    holds with both outcomes among its tokens (see :func:`stop_rule_rows`).
+    With ``gate``, then also a pre-draft gate for each of them (see
+    :func:`stop_gate_rows`): a logistic regression of whether the rule's step
+    beats a plain one, each step weighted by how much it gains or loses, so the
+    gate opens where drafting pays in expectation under ``cost_model``'s prices.
 
     Raises
     ------
@@ -265,5 +325,32 @@ def fit_stop_rule(
         raise ValueError(
             f"no compression/decoding in the log's {split or 'whole'} split has tokens both accepted and rejected"
         )
-    trained_on = {"log": source, "split": split or "all", "tokens": rows}
-    return StopRule(curves, cost_model, token_value=token_value, max_gamma=max_gamma, trained_on=trained_on)
+    trained_on: dict[str, Any] = {"log": source, "split": split or "all", "tokens": rows}
+    rule = StopRule(curves, cost_model, token_value=token_value, max_gamma=max_gamma, trained_on=trained_on)
+    return fit_stop_gates(log, rule, split=split, C=C) if gate else rule
+
+
+def fit_stop_gates(log: pd.DataFrame, rule: Any, *, split: str | None = "train", C: float = 10.0) -> Any:
+    """``rule`` with a pre-draft gate per compression and decoding, fitted under its own prices.
+
+    A logistic regression of whether the rule's step beats a plain one (see
+    :func:`stop_gate_rows`), each step weighted by how much it gains or loses:
+    the gate opens where drafting pays in expectation. A compression and
+    decoding the rule has no curves for, or whose steps all gain (or all
+    lose), gets no gate (it always drafts).
+    """
+    from sklearn.linear_model import LogisticRegression
+
+    from .stop import GATE_FEATURES, AcceptanceCurve
+
+    gates = {}
+    steps = {}
+    for key, (X, gain) in stop_gate_rows(log, rule, split).items():
+        if key not in rule.curves or len(set((gain > 0).tolist())) < 2:
+            continue
+        m = LogisticRegression(C=C, max_iter=5000).fit(X, (gain > 0).astype(int), sample_weight=np.abs(gain) + 1e-9)
+        gates[key] = AcceptanceCurve(
+            float(m.intercept_[0]), tuple(float(v) for v in m.coef_[0]), len(gain), GATE_FEATURES
+        )
+        steps[f"{key[0]}/{key[1]}"] = len(gain)
+    return replace(rule, gates=gates, trained_on={**rule.trained_on, "gate_steps": steps})

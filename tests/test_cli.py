@@ -345,6 +345,14 @@ def test_export_a_stop_rule_reprice_it_and_the_shipped_one_is_what_the_command_w
     assert export_cli.main(["--reprice", str(costs), str(out), str(tmp_path / "here.json")]) == 0
     here = StopRule.load(tmp_path / "here.json")
     assert here.cost_model == cheap and here.curves == rule.curves
+    # --gate: a pre-draft gate per compression and decoding; --costs: priced (and the gate fitted) with a calibration
+    gated = tmp_path / "gated.json"
+    assert export_cli.main(["--stop-rule", str(gated), "--train", str(log_path), "--gate", "--costs", str(costs)]) == 0
+    assert "pre-draft gate fitted on" in capsys.readouterr().out
+    made = StopRule.load(gated)
+    assert made.gates and set(made.gates) <= set(made.curves) and made.cost_model == cheap and not rule.gates
+    assert export_cli.main([str(tmp_path / "p.onnx"), "--gate"]) == 2
+    assert "go with --stop-rule" in capsys.readouterr().err
     # errors: a policy kind with --stop-rule, a bad token value, a missing log; a failed write keeps the old file
     before = out.read_bytes()
     assert export_cli.main(["--stop-rule", str(out), "--policy", "gbt"]) == 2

@@ -306,6 +306,7 @@ def test_dense_replay_benchmark_on_the_logs_heldout_prompts_without_a_race():
     # the second table: pooled, with paired bootstrap CIs and the oracle in hindsight
     ci = {r[2]: r for r in table_rows(stdout, "fp32") if r[1] == "all (2)"}
     assert {"oracle", "gbt-pre-repriced", "gbt-gated-repriced", "stop"} <= set(ci)  # stop: exported/smollm2-stop.json
+    assert "stop-gated" in ci and rows["stop-gated"][6] == ""  # the same rule, a gate fitted by the benchmark
     assert {"adaedl", "sglang-adaptive", "vllm-dynamic", "hf-heuristic"} <= set(ci)  # the peers' rules
     assert ci["oracle"][9] == "1.000" and float(ci["oracle"][4]) >= 1.0
     assert ci[ci["oracle"][8]][7] == "1.000"  # the best peer against itself

@@ -12,9 +12,18 @@ import pytest
 import torch
 
 from speckv_policy.evaluation.dense import simulate
+from speckv_policy.features import OnlineFeatureState
 from speckv_policy.objective import CostModel
 from speckv_policy.runtime import PolicyFallbackWarning
-from speckv_policy.stop import STOP_FEATURES, AcceptanceCurve, StopRule, StopRuleError, stop_features
+from speckv_policy.stop import (
+    GATE_FEATURES,
+    STOP_FEATURES,
+    AcceptanceCurve,
+    StopRule,
+    StopRuleError,
+    gate_features,
+    stop_features,
+)
 from speckv_policy.testing import tiny_llama_pair
 
 from .conftest import teacher_forced_text
@@ -114,7 +123,7 @@ def test_the_file_round_trips_and_bad_files_get_errors_naming_file_and_key(tmp_p
         assert str(p) in str(err.value)
 
     bad(lambda d: d.update(format="speckv-policy"), "'format'")
-    bad(lambda d: d.update(version=2), "up to 1")
+    bad(lambda d: d.update(version=3), "up to 2")
     bad(lambda d: d.update(features=list(reversed(STOP_FEATURES))), "in that order")
     bad(
         lambda d: d["curves"]["fp32/greedy"]["now"].update(coef=[1.0, "x", 0, 0]),
@@ -129,6 +138,108 @@ def test_the_file_round_trips_and_bad_files_get_errors_naming_file_and_key(tmp_p
         StopRule.load(tmp_path / "text.json")
     with pytest.raises(FileNotFoundError, match="nope.json"):
         StopRule.load(tmp_path / "nope.json")
+
+
+def _gate(intercept: float, **coef: float) -> AcceptanceCurve:
+    """A gate whose logit is ``intercept + sum(coef[name] * feature[name])``."""
+    return AcceptanceCurve(intercept, tuple(coef.get(n, 0.0) for n in GATE_FEATURES), features=GATE_FEATURES)
+
+
+def test_the_gate_reads_the_pre_draft_history_and_closes_by_hand():
+    state = OnlineFeatureState("fp32")
+    state.update(drafted=4, accepted=1)
+    pre = state.pre_values(context_len=19, match_len=3)
+    assert gate_features(pre) == pytest.approx([0.5, (1 + 1) / (1 + 1 + 2), 1.0, 4.0, 0.0, math.log(20), math.log(4)])
+    # open iff the last drafting step kept at least one token (logit -0.5 + 1.0 * prev_accepted); greedy only
+    rule = replace(_rule(_const(0.5)), gates={("fp32", "greedy"): _gate(-0.5, prev_accepted=1.0)})
+    assert rule.opens("fp32", 0.0, pre) is True and rule.opens("bf16", 0.0, pre) is True  # code 0 shares it
+    state.update(drafted=3, accepted=0)
+    closed = state.pre_values(context_len=23, match_len=0)
+    assert rule.opens("fp32", 0.0, closed) is False
+    assert rule.opens("fp32", 0.7, closed) is True  # no sampling gate: always drafts
+    assert _rule(_const(0.5)).opens("fp32", 0.0, closed) is True  # no gate at all
+    with pytest.raises(KeyError, match="unknown compression 'fp8'"):
+        rule.opens("fp8", 0.0, pre)
+    with pytest.raises(ValueError, match="a gate reads"):
+        replace(rule, gates={("fp32", "greedy"): _const(0.5)})
+    with pytest.raises(ValueError, match="gate key fp8/greedy"):
+        replace(rule, gates={("fp8", "greedy"): _gate(0.0)})
+
+
+def test_a_gated_rule_round_trips_and_a_version_1_file_still_loads(tmp_path):
+    rule = replace(_rule(_const(0.6)), gates={("fp32", "sampling"): _gate(0.3, ema_accept_rate=-2.0)})
+    path = tmp_path / "gated.json"
+    rule.save(path)
+    assert StopRule.load(path) == rule
+    d = json.loads(path.read_text())
+    assert d["version"] == 2 and d["gate_features"] == list(GATE_FEATURES)
+    d1 = {k: v for k, v in _rule(_const(0.6)).to_dict().items() if k not in ("gates", "gate_features")}
+    d1["version"] = 1  # what speckv-policy wrote before gates
+    assert StopRule.from_dict(d1) == _rule(_const(0.6))
+    for edit, match in (
+        (lambda d: d["gates"]["fp32/sampling"].update(coef=[1.0]), r"gates\['fp32/sampling'\].*coef needs 7"),
+        (lambda d: d.update(gate_features=list(reversed(GATE_FEATURES))), "'gate_features'.*in that order"),
+        (lambda d: d["gates"]["fp32/sampling"].update(rows=1.5), "'rows' must be an integer"),
+        (lambda d: d.pop("gates"), "'gates' must be a JSON object"),
+    ):
+        bad = json.loads(json.dumps(d))
+        edit(bad)
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(StopRuleError, match=match):
+            StopRule.load(tmp_path / "bad.json")
+
+
+def _markov_log(n_runs: int, seed: int):
+    """SYNTHETIC step log with a known law: of a step's 4 draft tokens the first 3 are accepted when the run is
+    'easy' and none when it is 'hard'; a run stays in its regime from step to step with probability 0.9, so the
+    last step's outcome (prev_fully_accepted) is what tells drafting pays. The draft's confidence says nothing."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for run in range(n_runs):
+        easy = bool(rng.random() < 0.5)
+        for step in range(30):
+            easy = easy if rng.random() < 0.9 else not easy
+            rows.append(
+                dict(
+                    run_id="synthetic",
+                    prompt_id=f"p{run}",
+                    split="train",
+                    task_type="chat",
+                    compression="fp32",
+                    decoding="greedy",
+                    temperature=0.0,
+                    step=step,
+                    context_len=20 + 5 * step,
+                    gamma=4,
+                    accepted=3 if easy else 0,
+                    draft_confidence=rng.uniform(0.3, 0.9, 4),
+                    draft_entropy=rng.uniform(0.1, 2.0, 4),
+                    context_match_len=float(rng.integers(0, 3)),
+                )
+            )
+    return pd.DataFrame(rows)
+
+
+def test_the_gate_is_fitted_on_what_the_rules_step_gains_and_learns_a_known_law():
+    from speckv_policy.training import fit_stop_rule, stop_gate_rows
+
+    log = _markov_log(120, seed=1)
+    # gains by hand: a rule sure of every token drafts and sends all 4; V = verify(0) = 10 ms, verify(4) = 14 ms,
+    # drafting 1 + 4 * 2 = 9 ms: an easy step keeps 3 tokens, 10 * 3 + 10 - 14 - 9 = 17 ms; a hard one -13 ms
+    sure = _rule(_const(0.999))
+    X, gain = stop_gate_rows(log, sure)[("fp32", "greedy")]
+    assert len(gain) == len(log) and set(np.round(gain, 9).tolist()) == {17.0, -13.0}
+    assert (gain == 17.0).sum() == (log["accepted"] == 3).sum() > 100
+    rule = fit_stop_rule(log, _cost(), gate=True, source="synthetic")
+    assert list(rule.gates) == [("fp32", "greedy")] and rule.trained_on["gate_steps"] == {"fp32/greedy": len(log)}
+    state = OnlineFeatureState("fp32")
+    state.update(drafted=4, accepted=3)
+    assert rule.opens("fp32", 0.0, state.pre_values(100, 1)) is True
+    state.update(drafted=4, accepted=0)
+    assert rule.opens("fp32", 0.0, state.pre_values(100, 1)) is False
+    assert fit_stop_rule(log, _cost()).gates == {}  # off by default
 
 
 def test_fit_on_a_log_with_a_known_acceptance_process():
@@ -167,6 +278,8 @@ def test_fit_on_a_log_with_a_known_acceptance_process():
     assert len(yn) == sum(min(a + 1, 8) for a in log["accepted"]) and len(yx) == sum(min(a, 7) for a in log["accepted"])
     with pytest.raises(ValueError, match="missing: context_match_len"):
         fit_stop_rule(log.drop(columns="context_match_len"), _cost())
+    with pytest.raises(ValueError, match="gate trains on a step log's history.*missing: run_id, prompt_id, step"):
+        fit_stop_rule(log, _cost(), gate=True)  # a gate needs each run's steps in order
     short = log.copy()
     short["draft_confidence"] = [np.array([0.5]) if i == 3 else c for i, c in enumerate(short["draft_confidence"])]
     with pytest.raises(ValueError, match="row 3: 1 draft_confidence"):
@@ -181,7 +294,15 @@ def pair():
 def _varied_rule(seed: int) -> StopRule:
     rng = np.random.default_rng(seed)
     curve = AcceptanceCurve(float(rng.uniform(-3, 3)), tuple(float(v) for v in rng.normal(0, 3, 4)))
-    return _rule(curve, AcceptanceCurve(float(rng.uniform(-2, 4)), tuple(float(v) for v in rng.normal(0, 2, 4))))
+    rule = _rule(curve, AcceptanceCurve(float(rng.uniform(-2, 4)), tuple(float(v) for v in rng.normal(0, 2, 4))))
+    if seed % 2:  # odd seeds: a random pre-draft gate too
+        gate = AcceptanceCurve(
+            float(rng.uniform(-1, 1)),
+            tuple(float(v) for v in rng.normal(0, 1, len(GATE_FEATURES))),
+            features=GATE_FEATURES,
+        )
+        rule = replace(rule, gates={("fp32", "greedy"): gate})
+    return rule
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -210,14 +331,21 @@ def test_stop_mode_takes_the_replays_steps_on_a_tiny_pair(pair):
     ids = torch.tensor([[1, 7, 3, 9, 4, 7, 3]])
     n = 28
     rule = _rule(AcceptanceCurve(-3.0, (4.0, -0.2, -0.3, 0.5)), AcceptanceCurve(-1.0, (3.0, 0.0, 0.0, 0.5)))
+    # gated: draft only where the context's tail repeats (logit -0.5 + log(1 + m): open from m = 1 on)
+    gated = replace(rule, gates={("fp32", "greedy"): _gate(-0.5, log1p_context_match_len=1.0)})
     text, ref = teacher_forced_text(target, draft, ids, n)
-    with torch.inference_mode(), attach(target, rule, mode="stop", compression="fp32") as h:
-        out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
-    assert torch.equal(out, ref)
-    res = simulate([text], "stop", rule, compression="fp32", cost=_cost())
-    hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
-    assert list(zip(res.gammas.tolist(), res.accepted.tolist())) == hook
-    assert any(g > 1 for g, _ in hook) and any(s.gamma == 0 and s.drafted == 1 for s in h.stats)
+    for r in (rule, gated):
+        with torch.inference_mode(), attach(target, r, mode="stop", compression="fp32") as h:
+            out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=draft)
+        assert torch.equal(out, ref)
+        res = simulate([text], "stop", r, compression="fp32", cost=_cost())
+        hook = [(s.gamma, s.accepted) for s in h.stats][1:]  # the first step is the prefill, left out
+        assert list(zip(res.gammas.tolist(), res.accepted.tolist())) == hook
+        assert any(g > 1 for g, _ in hook)
+        dropped = [s for s in h.stats if s.gamma == 0 and s.drafted == 1]  # the probe token, drafted and dropped
+        closed = [s for s in h.stats if s.drafted == 0 and s.context_len < ids.shape[1] + n - 1]
+        assert len(dropped) > 0 if r is rule else len(closed) > 0  # a closed gate: a plain step, nothing drafted
+        assert all(s.context_match_len < 1 for s in closed) and (r is gated or not closed)
     with pytest.raises(ValueError, match="needs a StopRule"):
         simulate([text], "stop", lambda f: 2, compression="fp32", cost=_cost())
 
@@ -239,6 +367,26 @@ def test_a_broken_or_missing_rule_falls_back_with_one_warning(pair, tmp_path):
         drafting = [s for s in h.stats if s.drafted > 0]  # a step with no room left to draft asks nothing
         assert h.summary()["fallbacks"] == len(drafting) and all(s.fallback for s in drafting)
         assert all(s.gamma == s.drafted <= 2 for s in drafting) and sum(s.gamma == 2 for s in drafting) > 5
+
+
+def test_a_gate_that_fails_drafts_and_warns_once(pair):
+    from speckv_policy.hf import attach
+
+    class Broken(AcceptanceCurve):
+        def __call__(self, x):
+            raise FloatingPointError("gate blew up")
+
+    target, draft = pair
+    ids = torch.tensor([[5, 6, 7]])
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    gate = Broken(0.0, (0.0,) * len(GATE_FEATURES), features=GATE_FEATURES)
+    rule = replace(_rule(_const(0.9)), gates={("fp32", "greedy"): gate})
+    with pytest.warns(PolicyFallbackWarning, match="gate blew up") as rec:
+        with attach(target, rule, compression="fp32", mode="stop") as h:
+            out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref) and len([r for r in rec if r.category is PolicyFallbackWarning]) == 1
+    drafting = [s for s in h.stats if s.drafted > 0]
+    assert drafting and all(s.fallback for s in drafting) and h.summary()["fallbacks"] == len(drafting)
 
 
 def test_stop_mode_reprices_and_says_what_it_cannot_take(pair, tmp_path):

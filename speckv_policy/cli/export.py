@@ -112,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="with --stop-rule: what a kept token is worth, in plain target steps (default 1.0)",
     )
+    p.add_argument(
+        "--gate",
+        action="store_true",
+        help="with --stop-rule: also fit a pre-draft gate per compression and decoding, which keeps a step plain "
+        "(no probe token) where drafting does not pay in expectation under the rule's prices (docs/stop.md: on the "
+        "shipped profile it gains at most 1%%, so it is off by default)",
+    )
+    p.add_argument(
+        "--costs",
+        metavar="COSTS_JSON",
+        help="with --stop-rule: price the rule, and fit its gate, with this cost model (speckv-calibrate's JSON for the "
+        "machine it will run on) instead of the one fitted from the log's timings",
+    )
     p.add_argument("--device", help="device whose timings to fit when the log has several")
     p.add_argument("--save-policy", metavar="JOBLIB", help="also save the fitted Python policy")
     p.add_argument(
@@ -161,6 +174,9 @@ def _reprice(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     exit_cleanly_on_sigterm()
+    if (args.gate or args.costs) and not args.stop_rule:
+        print("speckv-export: error: --gate and --costs go with --stop-rule", file=sys.stderr)
+        return 2
     if args.reprice:
         return _reprice(args)
     if args.stop_rule:
@@ -315,8 +331,11 @@ def _stop_rule(args: argparse.Namespace) -> int:
         if not os.path.exists(train):
             raise FileNotFoundError(f"step log not found: {train}")
         log = read_log(train)
-        cm = CostModel.fit(log, device=args.device) if args.cost_model == "fit" else CostModel.relative()
-        rule = fit_stop_rule(log, cm, token_value=args.token_value, source=train)
+        if args.costs:
+            cm = CostModel.load(args.costs)
+        else:
+            cm = CostModel.fit(log, device=args.device) if args.cost_model == "fit" else CostModel.relative()
+        rule = fit_stop_rule(log, cm, token_value=args.token_value, gate=args.gate, source=train)
         rule.save(out)
     except (LogValidationError, ValueError, OSError) as exc:
         return fail("speckv-export", exc)
@@ -333,7 +352,10 @@ def _stop_rule(args: argparse.Namespace) -> int:
                 f"log loss {-np.mean(y * np.log(p + 1e-12) + (1 - y) * np.log(1 - p + 1e-12)):.3f}"
             )
         print(line)
-    print(
-        f"  priced with the cost model of device {cm.device} ({cm.unit}); re-price: speckv-export --reprice COSTS {out} OUT.json"
-    )
+    for (comp, dec), gate in sorted(rule.gates.items()):
+        print(f"  {comp}/{dec}: pre-draft gate fitted on {gate.rows} steps")
+    where = args.costs or f"the cost model of device {cm.device}"
+    print(f"  priced with {where} ({cm.unit}); re-price: speckv-export --reprice COSTS {out} OUT.json")
+    if rule.gates:
+        print("  (re-pricing keeps the gate as fitted; to fit it for other prices: --stop-rule --costs COSTS)")
     return 0

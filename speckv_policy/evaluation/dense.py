@@ -335,6 +335,8 @@ def simulate(
                 synced = ctx
                 cap = min(max_gamma, text.generated - k - 1)
                 g = drafted = 0
+                if cap > 0 and not decide.opens(compression, temperature, state.pre_values(ctx, matcher.match_len())):
+                    cap = 0  # the rule's pre-draft gate keeps it a plain step: nothing drafted
                 if cap > 0:
                     st = decide.begin(compression, temperature, cap, matcher.match_len())
                     for i in range(cap):

@@ -444,6 +444,23 @@ class _Controller:
         cur.fallback |= fell_back
         return opened
 
+    def plan_stop(self) -> bool:
+        """``stop`` mode: whether the rule's pre-draft gate lets this step draft (True without a gate)."""
+        dec = self.decider
+        if not isinstance(dec, _StopDecider) or dec.rule is None or not dec.rule.gates:
+            return True
+        assert self.state is not None and self.current is not None
+        t = time.perf_counter()
+        cur = self.current
+        try:
+            pre = self.state.pre_values(cur.context_len, int(cur.context_match_len))
+            opened = dec.rule.opens(self.compression, self.state.temperature, pre)
+        except Exception as exc:  # a broken gate must never break generation: draft, the rule decides the rest
+            dec._fail(f"{type(exc).__name__}: {exc}")
+            cur.fallback, opened = True, True
+        cur.decision_us += (time.perf_counter() - t) * 1e6
+        return opened
+
     def plan_fixed(self) -> int:
         assert self.gamma_fn is not None
         g = self.gamma_fn(self.step)
@@ -607,6 +624,8 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
             cap = min(c.plan_pre(), budget)
         elif c.mode == "gated":
             cap = min(c.max_gamma, budget) if c.plan_gate() else 0
+        elif c.mode == "stop":
+            cap = min(c.max_gamma, budget) if c.plan_stop() else 0
         else:
             cap = min(c.plan_fixed() if c.mode == "fixed" else c.max_gamma, budget)
         if c.probe_backoff and cap > 0 and c.skip_probe():
