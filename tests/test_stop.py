@@ -26,7 +26,7 @@ from speckv_policy.stop import (
 )
 from speckv_policy.testing import tiny_llama_pair
 
-from .conftest import teacher_forced_text
+from .conftest import run_benchmark, table_rows, teacher_forced_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
 
@@ -413,3 +413,13 @@ def test_stop_mode_reprices_and_says_what_it_cannot_take(pair, tmp_path):
         warnings.simplefilter("error")  # a good rule warns about nothing
         with attach(target, _rule(_const(0.7)), compression="fp32", mode="stop"):
             target.generate(ids, max_new_tokens=5, do_sample=False, assistant_model=draft)
+
+
+def test_stop_signals_benchmark_scores_the_curves_on_the_shipped_profile():
+    """benchmarks/stop_signals.py: held-out log loss and AUC of the 'now' curve, with and without the sampled token's
+    probability, for every level and decoding of the shipped log; the curves must beat chance there."""
+    rows = table_rows(run_benchmark("stop_signals.py"), "fp32", "int8", "nf4")
+    assert {(r[0], r[1]) for r in rows} == {(c, d) for c in ("fp32", "int8", "nf4") for d in ("greedy", "sampling")}
+    for r in rows:
+        assert int(r[2]) > 300 and all(0.6 < float(r[i]) < 0.95 for i in (4, 6))  # AUC
+        assert all(0.3 < float(r[i]) < 0.693 for i in (3, 5))  # log loss under a coin's
