@@ -238,7 +238,8 @@ def stop_gate_rows(log: pd.DataFrame, rule: Any, split: str | None = "train") ->
     draft tokens (at most the logged gamma of them) as generation would, sends its
     best prefix, and keeps ``min(sent, accepted)`` tokens, each worth a plain step's
     time times the rule's ``token_value``, less the longer verification and the
-    drafting (per call and per token).
+    drafting (per call and per token). Steps of a compression and decoding the
+    rule has no curves for are left out.
 
     Raises
     ------
@@ -258,27 +259,37 @@ def stop_gate_rows(log: pd.DataFrame, rule: Any, split: str | None = "train") ->
     X, accepted, drafted = features_from_log(log, "pre")
     steps = log.loc[X.index]
     keep = np.ones(len(steps), dtype=bool) if split is None else (steps["split"] == split).to_numpy()
-    cost = rule.cost_model
-    out: dict[tuple[str, str], tuple[list[list[float]], list[float]]] = {}
+    walked: dict[tuple[str, str], tuple[list[list[float]], list[tuple[int, int, int]]]] = {}
+    has_curves: dict[tuple[str, str], bool] = {}
     for pre, r, acc, gam in zip(
         X.to_numpy(np.float64)[keep].tolist(), steps[keep].itertuples(), accepted[keep], drafted[keep]
     ):
+        key = (str(r.compression), str(r.decoding))
         temp = float(r.temperature) if r.decoding == "sampling" else 0.0
-        st = rule.begin(r.compression, temp, int(gam), float(r.context_match_len))
+        if key not in has_curves:
+            try:
+                rule.curves_for(key[0], temp)
+                has_curves[key] = True
+            except KeyError:  # the rule cannot decide there, so a gate has nothing to learn
+                has_curves[key] = False
+        if not has_curves[key]:
+            continue
+        st = rule.begin(key[0], temp, int(gam), float(r.context_match_len))
         for conf, ent in zip(r.draft_confidence, r.draft_entropy):
             if not st.after_token(conf, ent):
                 break
-        code = COMPRESSION_CODES[r.compression]
-        sent = st.kept
-        gain = (
-            float(cost.verify_ms(0, code)) * (rule.token_value * min(sent, int(acc)) + 1.0)
-            - float(cost.verify_ms(sent, code))
-            - float(cost.draft_ms(st.drafted, code))
-        )
-        xs, gains = out.setdefault((str(r.compression), str(r.decoding)), ([], []))
+        xs, outcomes = walked.setdefault(key, ([], []))
         xs.append(gate_features(pre))
-        gains.append(gain)
-    return {k: (np.asarray(x, dtype=np.float64), np.asarray(g, dtype=np.float64)) for k, (x, g) in out.items()}
+        outcomes.append((st.kept, st.drafted, min(st.kept, int(acc))))
+    cost = rule.cost_model
+    out = {}
+    for key, (xs, outcomes) in walked.items():
+        sent, drafted_now, kept = np.asarray(outcomes, dtype=np.int64).T
+        code = COMPRESSION_CODES[key[0]]
+        plain = float(cost.verify_ms(0, code))
+        gain = plain * (rule.token_value * kept + 1.0) - cost.verify_ms(sent, code) - cost.draft_ms(drafted_now, code)
+        out[key] = (np.asarray(xs, dtype=np.float64), np.asarray(gain, dtype=np.float64))
+    return out
 
 
 def fit_stop_rule(

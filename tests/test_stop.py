@@ -223,6 +223,8 @@ def _markov_log(n_runs: int, seed: int):
 
 
 def test_the_gate_is_fitted_on_what_the_rules_step_gains_and_learns_a_known_law():
+    import pandas as pd
+
     from speckv_policy.training import fit_stop_rule, stop_gate_rows
 
     log = _markov_log(120, seed=1)
@@ -240,6 +242,12 @@ def test_the_gate_is_fitted_on_what_the_rules_step_gains_and_learns_a_known_law(
     state.update(drafted=4, accepted=0)
     assert rule.opens("fp32", 0.0, state.pre_values(100, 1)) is False
     assert fit_stop_rule(log, _cost()).gates == {}  # off by default
+    # a level whose tokens are never accepted gets no curves, so no gate, and its steps are left out of the rows
+    never = log.assign(compression="int8", accepted=0, prompt_id=log["prompt_id"] + "-int8")
+    both = pd.concat([log, never], ignore_index=True)
+    rule2 = fit_stop_rule(both, _cost(), gate=True)
+    assert set(rule2.curves) == set(rule2.gates) == {("fp32", "greedy")}
+    assert set(stop_gate_rows(both, rule2)) == {("fp32", "greedy")}
 
 
 def test_fit_on_a_log_with_a_known_acceptance_process():
