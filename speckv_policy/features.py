@@ -1,7 +1,7 @@
 """Feature computation: ONE module for run time and for offline logs.
 
-At run time a hook calls :func:`draft_token_stats` on the draft's processed
-next-token distribution (numpy array or torch tensor) and keeps an
+At run time a hook calls :func:`draft_token_stats_one` on the draft's processed
+next-token scores (numpy array or torch tensor) and keeps an
 :class:`OnlineFeatureState` per sequence. Offline, :func:`features_from_log`
 replays the logged steps through the very same state class, so a policy sees
 identical definitions during training and serving.
@@ -76,14 +76,68 @@ def draft_token_stats_from_logits(logits: Any) -> tuple[Any, Any]:
     """Like :func:`draft_token_stats` but from (processed) logits.
 
     ``-inf`` entries (tokens removed by top-k / top-p) are handled exactly.
+    Logits on the CPU (a torch tensor or an array) go through
+    :func:`_logit_stats`, the same numpy code :func:`draft_token_stats_one`
+    runs per draft token, so logged and run-time values are the same numbers.
     """
     if _is_torch(logits):
-        p = logits.detach().float().softmax(-1)  # four full-vocabulary passes in all: it sits on the step's path
-        return p.amax(-1), (-p.xlogy(p).sum(-1)).clamp_min(0.0)
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
+        if logits.device.type != "cpu":  # stays on the device: two reductions, no copy to the host
+            p = logits.detach().float().softmax(-1)
+            return p.amax(-1), (-p.xlogy(p).sum(-1)).clamp_min(0.0)
+        f, z = _own_float32(logits)
+        conf, ent = _logit_stats(z)
+        return f.new_tensor(conf), f.new_tensor(ent)  # float32 tensors, without importing torch here
+    return _logit_stats(np.array(logits, dtype=np.float32))
+
+
+def draft_token_stats_one(logits: Any) -> tuple[float, float]:
+    """Top-1 probability and entropy (nats) of ONE next-token distribution, as floats.
+
+    The per-draft-token path of the hook: on the CPU, numpy on a float32
+    copy of the scores (one max, one exp, two sums; no softmax, no log per
+    entry, no BLAS call), which right after the draft's forward pass costs
+    about half of torch's softmax and ``xlogy`` (docs/benchmarks.md). Equal to
+    the matching row of :func:`draft_token_stats_from_logits`.
+
+    Parameters
+    ----------
+    logits : torch.Tensor or array-like of shape (vocab,)
+        Processed logits of one position (``-inf`` for removed tokens).
+    """
+    if _is_torch(logits):
+        if logits.device.type != "cpu":
+            conf, ent = draft_token_stats_from_logits(logits)
+            return float(conf), float(ent)
+        z = _own_float32(logits)[1]
+    else:
+        z = np.array(logits, dtype=np.float32)
+    conf, ent = _logit_stats(z)
+    return float(conf), float(ent)
+
+
+def _own_float32(logits: Any) -> tuple[Any, np.ndarray]:
+    """CPU torch scores as float32: the tensor, and a numpy copy :func:`_logit_stats` may overwrite (never the
+    caller's scores)."""
+    f = logits.detach().float()  # a new tensor unless the scores are float32 already
+    z = f.numpy()
+    return f, (z.copy() if f.data_ptr() == logits.data_ptr() else z)
+
+
+#: Scores this far below the top one are exactly 0 after ``exp`` in float32 (it underflows below about -104), so
+#: clamping there changes no probability and keeps ``0 * -inf`` out of the entropy.
+_FLOOR = -200.0
+
+
+def _logit_stats(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 probability ``1 / Z`` and entropy ``log Z - sum(e^z z) / Z`` of float32 scores ``z`` (..., vocab),
+    ``z`` shifted so its maximum is 0 and ``Z = sum(e^z)``. Works on ``z`` in place (the caller's own copy)."""
+    np.subtract(z, z.max(axis=-1, keepdims=True), out=z)
+    np.maximum(z, _FLOOR, out=z)
     e = np.exp(z)
-    return draft_token_stats(e / e.sum(axis=-1, keepdims=True))
+    total = e.sum(axis=-1)
+    np.multiply(e, z, out=z)
+    ent = np.log(total) - z.sum(axis=-1) / total
+    return 1.0 / total, np.maximum(ent, 0.0)
 
 
 def context_match_len(ids: Any, cap: int = CONTEXT_MATCH_CAP) -> int:

@@ -12,6 +12,7 @@ from speckv_policy.features import (
     as_feature_matrix,
     draft_token_stats,
     draft_token_stats_from_logits,
+    draft_token_stats_one,
     features_from_log,
     paper_features,
 )
@@ -47,6 +48,37 @@ def test_token_stats_torch_equals_numpy_and_logits():
         assert float(h1) == pytest.approx(h_np[row], rel=1e-5, abs=1e-6)
     c_half, h_half = draft_token_stats_from_logits(torch.tensor(logits).half())  # fp16 logits are upcast first
     assert np.isfinite(c_half.numpy()).all() and np.isfinite(h_half.numpy()).all()
+
+
+def test_token_stats_one_is_the_batch_row_and_leaves_the_scores_alone():
+    """The hook's per-draft-token statistics (numpy on a copy) equal the logged batch rows bit for bit, handle removed
+    tokens, never write to the caller's scores, and read bf16 / fp16 scores."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(5, 300)) * 4).astype(np.float32)
+    logits[0, :40] = -np.inf  # top-k filtered
+    logits[1, 1:] = -np.inf  # one token left: certain
+    logits[2, :100] -= 1e5  # far below exp's float32 underflow
+    logits[3, :] = 7.0  # uniform: every token the top one
+    t = torch.tensor(logits)
+    before = t.clone()
+    c, h = draft_token_stats_from_logits(t)
+    for row in range(5):
+        c1, h1 = draft_token_stats_one(t[row])
+        assert isinstance(c1, float) and isinstance(h1, float)
+        assert (c1, h1) == (float(c[row]), float(h[row]))
+        assert (c1, h1) == draft_token_stats_one(logits[row])  # numpy scores: the same numbers
+    assert torch.equal(t, before)  # float32 scores are copied before the in-place work
+    p = torch.softmax(t.double(), -1)
+    c_ref, h_ref = draft_token_stats(p)
+    np.testing.assert_allclose(c.numpy(), c_ref.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(h.numpy(), h_ref.numpy(), rtol=1e-5, atol=1e-6)
+    assert draft_token_stats_one(t[1]) == (1.0, 0.0)
+    assert draft_token_stats_one(t[3]) == pytest.approx((1 / 300, math.log(300)), rel=1e-6)
+    for low in (t.bfloat16(), t.half()):
+        c_low, h_low = draft_token_stats_one(low[4])
+        ref = draft_token_stats(torch.softmax(low[4].double(), -1))
+        assert c_low == pytest.approx(float(ref[0]), rel=1e-5) and h_low == pytest.approx(float(ref[1]), rel=1e-5)
 
 
 def test_online_state_hand_computed():

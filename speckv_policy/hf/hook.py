@@ -72,6 +72,7 @@ from ..features import (
     ContextMatcher,
     OnlineFeatureState,
     draft_token_stats_from_logits,
+    draft_token_stats_one,
     gated_features,
     gated_values,
     paper_features,
@@ -386,8 +387,7 @@ class _Controller:
             return
         t = time.perf_counter()
         pos = min(int(num_matches), scores.shape[1] - 1)
-        conf, ent = draft_token_stats_from_logits(scores[0, pos])
-        self.state.observe_target(float(conf), float(ent))
+        self.state.observe_target(*draft_token_stats_one(scores[0, pos]))
         self._signal_us = (time.perf_counter() - t) * 1e6
 
     def skip_probe(self) -> bool:
@@ -474,7 +474,7 @@ class _Controller:
         t = time.perf_counter()
         if self.mode == "upfront":
             if k == 1:
-                conf, ent = draft_token_stats_from_logits(logits)
+                conf, ent = draft_token_stats_one(logits)
                 self._plan = self._decide(self.state.features(float(conf), float(ent), context_len), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
@@ -483,12 +483,12 @@ class _Controller:
         if self.mode == "gated":  # the gate opened: the length head reads the probe token
             if k == 1:
                 assert self._pre_row is not None
-                conf, ent = draft_token_stats_from_logits(logits)
+                conf, ent = draft_token_stats_one(logits)
                 self._plan = self._decide(self._gated(self._pre_row, float(conf), float(ent)), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
         # per-token: would a step starting from this token's distribution draft?
-        conf, ent = draft_token_stats_from_logits(logits)
+        conf, ent = draft_token_stats_one(logits)
         g = self._decide(self.state.features(float(conf), float(ent), context_len), t)
         if g >= 1:
             self._kept = k
@@ -505,7 +505,7 @@ class _Controller:
         go = False
         if self._stop is not None:
             try:
-                conf, ent = draft_token_stats_from_logits(logits)
+                conf, ent = draft_token_stats_one(logits)
                 go = self._stop.after_token(float(conf), float(ent))
                 self._kept = self._stop.kept
             except Exception as exc:  # a broken rule must never break generation
