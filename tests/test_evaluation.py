@@ -220,13 +220,23 @@ def test_speckv_eval_takes_joblib_policies_and_matches_onnx(synthetic, tmp_path,
     assert not (out / "gamma_histogram.png").exists()
 
 
-@pytest.mark.parametrize("report, costs", [("eval", None), ("eval_onednn", "docs/onednn_costs.json")])
-def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path, report, costs):
+@pytest.mark.parametrize(
+    "report, costs, decide",
+    [
+        ("eval", None, None),
+        ("eval_onednn", "docs/onednn_costs.json", None),
+        ("eval_stale", "docs/onednn_nf4_sampling_stop_costs.json", "docs/onednn_quant_costs.json"),
+    ],
+)
+def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path, report, costs, decide):
     """docs/eval*/eval.json must be what `speckv-eval` computes from what ships (point estimates)."""
     shipped = json.loads((ROOT / "docs" / report / "eval.json").read_text())
     out = tmp_path / "eval"
     policies = [str(ROOT / p) for p in shipped["policies"].values()]
     priced = ["--costs", str(ROOT / costs)] if costs else []
+    priced += ["--decide-costs", str(ROOT / decide)] if decide else []
+    for key, value in shipped.get("selected", {}).items():
+        priced += [f"--{key}", value]
     assert (
         eval_cli.main(
             [
@@ -252,6 +262,8 @@ def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path, repo
             assert now["groups"][group]["arms"][name]["tokens_per_second"] == pytest.approx(
                 arm["tokens_per_second"], rel=1e-9
             ), (group, name)
+    for name, pair in shipped.get("pairs", {}).items():
+        assert now["pairs"][name]["same_choice"] == pytest.approx(pair["same_choice"], rel=1e-12), name
 
 
 def test_references_pay_only_what_they_run():
@@ -276,3 +288,73 @@ def test_references_pay_only_what_they_run():
     # the oracle drafts exactly the accepted length, without a probe: (acc + 1) tokens in 1 + 0.15 acc
     acc = rows["accepted"].to_numpy()
     assert arms["oracle"]["tokens_per_second"] == pytest.approx((acc + 1).sum() / (1 + 0.15 * acc).sum())
+
+
+def test_speckv_eval_decide_costs_pairs_each_export_with_itself(synthetic, cost_model, tmp_path, capsys):
+    """``--decide-costs``: every export also runs re-priced with other prices, judged by the same ones, paired with
+    itself. Deciding with the judge's own prices is the identity (ratio 1, every gamma alike); with drafting priced
+    10x dearer the export drafts less where drafting pays, and that costs it tokens/s under the judge's prices."""
+    from dataclasses import replace
+
+    log_path = tmp_path / "steps.parquet"
+    write_log(synthetic[0], log_path)
+    fresh, dear = tmp_path / "fresh.json", tmp_path / "dear.json"
+    cost_model.save(fresh)
+    dearer = tuple(10 * v for v in cost_model.draft_ms_per_token)
+    replace(cost_model, draft_ms_per_token=dearer, n_rows={0: 0, 1: 0, 2: 40}).save(dear)  # timed at NF4 only
+    gbt = str(ROOT / "exported" / "synthetic-gbt.onnx")
+    common = ["--log", str(log_path), "--policy", gbt, "--bootstrap", "200", "--no-plots", "--costs", str(fresh)]
+
+    assert eval_cli.main([*common, "--out", str(tmp_path / "same"), "--decide-costs", str(fresh)]) == 0
+    res = json.loads((tmp_path / "same" / "eval.json").read_text())
+    pair = res["pairs"]["synthetic-gbt@fresh"]
+    assert pair["reference"] == "synthetic-gbt" and set(pair["same_choice"].values()) == {1.0}
+    v = res["bootstrap"]["overall"]["synthetic-gbt@fresh"]["vs_pair"]
+    assert v["ratio"] == pytest.approx(1.0) and v["ci"] == pytest.approx([1.0, 1.0])
+    assert res["decide_costs"] == str(fresh)
+
+    assert eval_cli.main([*common, "--out", str(tmp_path / "dear"), "--decide-costs", str(dear)]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads((tmp_path / "dear" / "eval.json").read_text())
+    arms = res["groups"]["overall"]["arms"]
+    v = res["bootstrap"]["overall"]["synthetic-gbt@dear"]["vs_pair"]
+    assert v["ratio"] == pytest.approx(
+        arms["synthetic-gbt@dear"]["tokens_per_second"] / arms["synthetic-gbt"]["tokens_per_second"]
+    )
+    assert v["ratio"] < 1.0 and v["ci"][0] <= v["ratio"] <= v["ci"][1]
+    assert arms["synthetic-gbt@dear"]["mean_gamma"] < arms["synthetic-gbt"]["mean_gamma"]
+    assert res["pairs"]["synthetic-gbt@dear"]["same_choice"]["overall"] < 1.0
+    assert "synthetic-gbt@dear (decides with" in printed and "same gamma on" in printed
+    assert f"note: {dear} timed no step at fp16/bf16/fp32, int8" in printed and f"note: {fresh}" not in printed
+    assert res["unmeasured_levels"] == {str(dear): ["fp16/bf16/fp32", "int8"]}
+    md = (tmp_path / "dear" / "eval.md").read_text()
+    assert "timed no step at fp16/bf16/fp32, int8" in md
+    assert "## Deciding with other prices" in md and "| synthetic-gbt@dear | synthetic-gbt | overall |" in md
+
+    assert eval_cli.main([*common, "--out", str(tmp_path / "x"), "--decide-costs", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json" in capsys.readouterr().err
+
+
+def test_pairs_must_name_evaluated_policies(synthetic, cost_model):
+    es = evaluation_set(synthetic[0], ("online",))
+    with pytest.raises(ValueError, match="pairs must name two evaluated policies"):
+        evaluate(es, {"p": ("online", lambda X: np.ones(len(X), np.int64))}, policy_cost=cost_model, pairs={"p": "q"})
+
+
+def test_speckv_eval_selects_rows_by_compression_and_decoding(synthetic, tmp_path, capsys):
+    log = synthetic[0]
+    log_path = tmp_path / "steps.parquet"
+    write_log(log, log_path)
+    gbt = str(ROOT / "exported" / "synthetic-gbt.onnx")
+    common = ["--log", str(log_path), "--policy", gbt, "--bootstrap", "50", "--no-plots"]
+    assert eval_cli.main([*common, "--out", str(tmp_path / "a"), "--compressions", "nf4,int8"]) == 0
+    res = json.loads((tmp_path / "a" / "eval.json").read_text())
+    chosen = log[log["compression"].isin(["nf4", "int8"])]
+    assert res["rows"] == len(evaluation_set(chosen, ("online",)).rows) < len(evaluation_set(log, ("online",)).rows)
+    assert res["selected"] == {"compressions": "nf4,int8"}
+    assert set(res["groups"]) & {"fp16", "fp32"} == set() and {"nf4", "int8"} <= set(res["groups"])
+    assert "(only compressions nf4,int8)" in (tmp_path / "a" / "eval.md").read_text()
+    capsys.readouterr()
+    assert eval_cli.main([*common, "--out", str(tmp_path / "b"), "--decodings", "beam"]) == 2
+    err = capsys.readouterr().err
+    assert str(log_path) in err and "no decoding beam in the log (it has greedy, sampling)" in err

@@ -49,6 +49,40 @@ def load_for_eval(
     return pol.feature_set, batch_chooser(pol)
 
 
+def select_rows(log: Any, where: str, **columns: str | None) -> Any:
+    """The rows of ``log`` whose ``column`` is one of the comma-separated values given for it (None: every row).
+
+    Raises ValueError naming the log, the column and the values it holds when a value matches no row.
+    """
+    for column, wanted in columns.items():
+        if wanted is None:
+            continue
+        values = [v.strip() for v in wanted.split(",") if v.strip()]
+        held = sorted(set(log[column].astype(str)))
+        missing = [v for v in values if v not in held]
+        if missing or not values:
+            raise ValueError(
+                f"{where}: no {column} {', '.join(missing) or repr(wanted)} in the log (it has {', '.join(held)})"
+            )
+        log = log[log[column].astype(str).isin(values)]
+    return log
+
+
+def unmeasured_levels(cost: Any, levels: set[str]) -> list[str]:
+    """Which of ``levels`` (compression names) a calibration timed no step of (``n_rows`` 0): its prices there are
+    another level's copies. Named by code, aliases joined (``fp16/bf16/fp32``)."""
+    from ..schema import COMPRESSION_CODES
+
+    names: dict[int, list[str]] = {}
+    for name, code in COMPRESSION_CODES.items():
+        names.setdefault(code, []).append(name)
+    return [
+        "/".join(n)
+        for code, n in sorted(names.items())
+        if cost.n_rows and not cost.n_rows.get(code, 0) and levels & set(n)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="speckv-eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--log", default=DEFAULT_LOG, help=f"step log (default {DEFAULT_LOG})")
@@ -83,6 +117,26 @@ def main(argv: list[str] | None = None) -> int:
         help="price every strategy with this calibration (speckv-calibrate --out) instead of the log's own timings; "
         "exports are re-priced with it",
     )
+    ap.add_argument(
+        "--decide-costs",
+        default=None,
+        metavar="JSON",
+        help="also run every export re-priced with this calibration (e.g. the one it shipped with) as NAME@STEM, "
+        "priced like the rest: what deciding with stale prices costs against deciding with --costs (or the "
+        "log's own timings), as a paired ratio with its CI and the share of steps decided alike",
+    )
+    ap.add_argument(
+        "--compressions",
+        default=None,
+        metavar="LEVELS",
+        help="evaluate only these compression levels of the log (comma-separated, e.g. nf4; default all)",
+    )
+    ap.add_argument(
+        "--decodings",
+        default=None,
+        metavar="DECODINGS",
+        help="evaluate only these decodings of the log (comma-separated: greedy, sampling; default both)",
+    )
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument(
         "--trust-pickle",
@@ -107,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         paths += hits
     try:
-        log = read_log(args.log)
+        log = select_rows(read_log(args.log), args.log, compression=args.compressions, decoding=args.decodings)
         policies = {}
         if args.costs:
             cost = replace(CostModel.load(args.costs), decision_draft_tokens=args.decision_draft_tokens)
         else:
             cost = CostModel.fit(log, decision_draft_tokens=args.decision_draft_tokens)
+        stale = CostModel.load(args.decide_costs) if args.decide_costs else None
+        pairs: dict[str, str] = {}
         for path in paths:
             name = Path(path).stem
             if name in policies:
@@ -120,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             policies[name] = load_for_eval(
                 path, trust_pickle=args.trust_pickle, cost_model=cost if args.costs else None
             )
+            if stale is not None and Path(path).suffix == ".onnx":
+                pairs[f"{name}@{Path(args.decide_costs).stem}"] = name
+                policies[f"{name}@{Path(args.decide_costs).stem}"] = load_for_eval(path, cost_model=stale)
         result, es = evaluate_log(
             log,
             policies,
@@ -128,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             n_resamples=args.bootstrap,
             seed=args.seed,
             history=args.history,
+            pairs=pairs,
         )
     except (LogValidationError, FileNotFoundError, ValueError) as exc:
         print(f"speckv-eval: error: {exc}", file=sys.stderr)
@@ -136,10 +196,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speckv-eval: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     result["log"] = args.log
+    selected = {k: v for k, v in (("compressions", args.compressions), ("decodings", args.decodings)) if v}
+    if selected:
+        result["selected"] = selected
     result["policies"] = {Path(p).stem: p for p in paths}
     result["cost_model"] = cost.to_dict()
     if args.costs:
         result["costs_note"] = f"the calibration `{args.costs}` (exports re-priced with it)"
+    if args.decide_costs:
+        result["decide_costs"] = args.decide_costs
+        result["unmeasured_levels"] = {
+            path: levels
+            for path, cm in ((args.costs, cost if args.costs else None), (args.decide_costs, stale))
+            if cm is not None and (levels := unmeasured_levels(cm, set(log["compression"])))
+        }
     out = Path(args.out)
     command = "speckv-eval " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     md = markdown(result, command=command.strip(), log=args.log)
@@ -171,6 +241,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<22} {a['tokens_per_second']:8.2f} {result['unit']}  x target {a['vs_target']:.3f} "
             f"{ci(name, 'vs_target')}  x best fixed {a['vs_best_fixed']:.3f} {ci(name, 'vs_best_fixed')}  "
             f"x fixed4 {a['vs_fixed4']:.3f} {ci(name, 'vs_fixed4')}  x oracle {a['vs_oracle']:.3f}"
+        )
+    for path, levels in result.get("unmeasured_levels", {}).items():
+        print(f"note: {path} timed no step at {', '.join(levels)}: its prices there are copies of another level's")
+    for name, pair in result["pairs"].items():
+        v = boot.get(name, {}).get("vs_pair")
+        same = pair["same_choice"]["overall"]
+        rel = f"x {v['ratio']:.3f} [{v['ci'][0]:.3f}, {v['ci'][1]:.3f}]" if v else "(no CI: < 2 prompts)"
+        print(
+            f"{name} (decides with {args.decide_costs}): {rel} {pair['reference']}; same gamma on {same:.1%} of steps"
         )
     print(f"wrote {out / 'eval.md'}, {out / 'eval.json'}" + ("" if args.no_plots else " and 3 plots"))
     return 0

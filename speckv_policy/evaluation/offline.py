@@ -233,6 +233,7 @@ def paired_bootstrap(
     unit: str = "ms",
     fixed4: str = "fixed-4",
     level: float = 0.95,
+    pairs: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Paired bootstrap over clusters (prompts) of tokens/s and of ratios.
 
@@ -245,8 +246,9 @@ def paired_bootstrap(
     -------
     dict
         name -> {``tokens_per_second_ci``: [lo, hi], ``vs_fixed4``,
-        ``vs_best_fixed``, ``vs_target`` (and ``vs_best_peer``): {``ratio``, ``ci``, ``p_value``}} for policy arms
-        (references get only their tokens/s interval). The p-value is two-sided
+        ``vs_best_fixed``, ``vs_target`` (and ``vs_best_peer``; ``vs_pair`` for a policy arm named in
+        ``pairs``, against the arm it maps to, with its name as ``reference``): {``ratio``, ``ci``, ``p_value``}}
+        for policy arms (references get only their tokens/s interval). The p-value is two-sided
         for "ratio = 1": ``2 (1 + min(#ratio <= 1, #ratio >= 1)) / (B + 1)``,
         capped at 1.
     """
@@ -284,19 +286,30 @@ def paired_bootstrap(
     if peers:
         peer_each = np.max(np.column_stack([tps[n] for n in peers]), axis=1)
         references.append(("vs_best_peer", max(full[n] for n in peers), peer_each))
+    pairs = dict(pairs or {})
+    unknown = [(a, b) for a, b in pairs.items() if a not in tps or b not in tps]
+    if unknown:
+        raise ValueError(f"pairs name arms that are not evaluated: {unknown}")
     lo_q, hi_q = (1 - level) / 2, 1 - (1 - level) / 2
+
+    def ratio(name: str, ref_full: float, ref_boot: np.ndarray) -> dict[str, Any]:
+        r = tps[name] / ref_boot
+        n_le, n_ge = int(np.sum(r <= 1.0)), int(np.sum(r >= 1.0))
+        return {
+            "ratio": full[name] / ref_full,
+            "ci": np.quantile(r, [lo_q, hi_q]).tolist(),
+            "p_value": min(1.0, 2.0 * (1 + min(n_le, n_ge)) / (n_resamples + 1)),
+        }
+
     out: dict[str, dict[str, Any]] = {}
     for a in arms:
         d: dict[str, Any] = {"tokens_per_second_ci": np.quantile(tps[a.name], [lo_q, hi_q]).tolist()}
         if a.kind == "policy":
             for key, ref_full, ref_boot in references:
-                r = tps[a.name] / ref_boot
-                n_le, n_ge = int(np.sum(r <= 1.0)), int(np.sum(r >= 1.0))
-                d[key] = {
-                    "ratio": full[a.name] / ref_full,
-                    "ci": np.quantile(r, [lo_q, hi_q]).tolist(),
-                    "p_value": min(1.0, 2.0 * (1 + min(n_le, n_ge)) / (n_resamples + 1)),
-                }
+                d[key] = ratio(a.name, ref_full, ref_boot)
+            if a.name in pairs:
+                ref = pairs[a.name]
+                d["vs_pair"] = {"reference": ref, **ratio(a.name, full[ref], tps[ref])}
         out[a.name] = d
     return out
 
@@ -385,6 +398,7 @@ def evaluate(
     n_resamples: int = 10_000,
     seed: int = 0,
     history: str = "policy",
+    pairs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``policies`` (name -> (feature set, choose function)) on ``eval_set``.
 
@@ -405,11 +419,17 @@ def evaluate(
         and each task type; ``gamma_histogram``: policy -> compression -> counts
         of gamma 0..max; ``gates``: gated policy -> ``overall`` / compression ->
         fractions of steps whose gate opened (``open``) and that then chose 0
-        after paying the probe (``open_then_zero``); plus ``rows``, ``prompts``,
-        ``max_gamma``, ``history``.
+        after paying the probe (``open_then_zero``); ``pairs`` (with ``pairs``,
+        policy name -> the policy it is compared with): name -> ``reference`` and
+        ``same_choice``, the fraction of steps on which both chose the same gamma,
+        ``overall`` and per compression (the paired ratio itself is the bootstrap's
+        ``vs_pair``); plus ``rows``, ``prompts``, ``max_gamma``, ``history``.
     """
     if history not in HISTORIES:
         raise ValueError(f"history must be one of {', '.join(HISTORIES)}, got {history!r}")
+    bad_pairs = [(a, b) for a, b in (pairs or {}).items() if a not in policies or b not in policies]
+    if bad_pairs:
+        raise ValueError(f"pairs must name two evaluated policies each, got {bad_pairs}")
     rows = eval_set.rows
     arms, gates = priced_arms(
         eval_set, policies, policy_cost=policy_cost, reference_cost=reference_cost, history=history
@@ -430,7 +450,7 @@ def evaluate(
         if "/" in k or rows.loc[m, "prompt_id"].nunique() < 2:
             continue
         result["bootstrap"][k] = paired_bootstrap(
-            arms, rows["prompt_id"].to_numpy(), m, n_resamples=n_resamples, seed=seed, unit=unit
+            arms, rows["prompt_id"].to_numpy(), m, n_resamples=n_resamples, seed=seed, unit=unit, pairs=pairs
         )
     hist: dict[str, dict[str, list[int]]] = {}
     for a in arms:
@@ -455,6 +475,19 @@ def evaluate(
         for a in arms
         if a.name in gates
     }
+    chosen = {a.name: a.chosen for a in arms if a.kind == "policy"}
+    result["pairs"] = {
+        a: {
+            "reference": b,
+            "same_choice": {
+                c: float(np.mean(chosen[a][masks[c]] == chosen[b][masks[c]]))
+                for c in ("overall", *COMPRESSION_CODES)
+                if c in masks
+            },
+        }
+        for a, b in (pairs or {}).items()
+        if a in chosen and b in chosen
+    }
     return result
 
 
@@ -467,6 +500,7 @@ def evaluate_log(
     n_resamples: int = 10_000,
     seed: int = 0,
     history: str = "policy",
+    pairs: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], EvalSet]:
     """:func:`evaluation_set` of the log's held-out steps, then :func:`evaluate` — the one offline evaluator.
 
@@ -476,7 +510,8 @@ def evaluate_log(
     the upfront mode when ``decision_draft_tokens=1``); the oracle, the fixed
     gammas and the target alone (``fixed-0``) pay only what they would pay
     when run (``decision_draft_tokens=0``); a policy's history features are
-    its own (``history='policy'``, replayed) unless ``history='logged'``.
+    its own (``history='policy'``, replayed) unless ``history='logged'``;
+    ``pairs`` adds paired ratios between policies (:func:`evaluate`).
 
     Returns
     -------
@@ -487,5 +522,7 @@ def evaluate_log(
     """
     needed = tuple(sorted({fs for fs, _ in policies.values()} | {"online"}))
     es = evaluation_set(log, needed, max_gamma=max_gamma)
-    result = evaluate(es, policies, policy_cost=policy_cost, n_resamples=n_resamples, seed=seed, history=history)
+    result = evaluate(
+        es, policies, policy_cost=policy_cost, n_resamples=n_resamples, seed=seed, history=history, pairs=pairs
+    )
     return result, es

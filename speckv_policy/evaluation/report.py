@@ -29,10 +29,39 @@ def _history_note(history: str) -> str:
     return "History features are the profile's own steps' (`--history logged`), not what the policy would write."
 
 
+def _pairs_section(result: dict[str, Any]) -> list[str]:
+    """``speckv-eval --decide-costs``: each export deciding with other prices against itself, paired."""
+    pairs = result.get("pairs") or {}
+    if not pairs:
+        return []
+    lines = [
+        "## Deciding with other prices",
+        "",
+        f"Each export re-priced with `{result.get('decide_costs', '?')}` (NAME@STEM) against the same export deciding "
+        "with the prices every strategy here is judged by: the paired ratio of their tokens/s (95% CI over prompts) "
+        "and the share of held-out steps on which both chose the same gamma."
+        + "".join(
+            f" `{path}` timed no step at {', '.join(levels)}: its prices there are another level's, so read those "
+            "rows as a what-if."
+            for path, levels in result.get("unmeasured_levels", {}).items()
+        ),
+        "",
+        "| export | against | steps | x | 95% CI | p | same gamma |",
+        "|---|---|---|---:|---|---:|---:|",
+    ]
+    for name, pair in pairs.items():
+        for group, same in pair["same_choice"].items():
+            v = result["bootstrap"].get(group, {}).get(name, {}).get("vs_pair")
+            cells = [f"{v['ratio']:.3f}", f"{v['ci'][0]:.3f}-{v['ci'][1]:.3f}", _p(v["p_value"])] if v else ["", "", ""]
+            lines.append(f"| {name} | {pair['reference']} | {group} | " + " | ".join(cells) + f" | {same:.1%} |")
+    return [*lines, ""]
+
+
 def markdown(
     result: dict[str, Any], *, title: str = "Offline evaluation", command: str | None = None, log: str | None = None
 ) -> str:
     """Render an evaluation result as Markdown (overall table with CIs, then per group)."""
+    only = "; ".join(f"{k} {v}" for k, v in result.get("selected", {}).items())
     unit = result["unit"]
     ov = result["groups"]["overall"]
     boot = result["bootstrap"].get("overall", {})
@@ -41,7 +70,7 @@ def markdown(
     if command:
         lines += ["```", command, "```", ""]
     lines += [
-        f"{'Log `' + log + '`: ' if log else ''}{result['rows']} held-out steps from {result['prompts']} held-out "
+        f"{'Log `' + log + '`' + (f' (only {only})' if only else '') + ': ' if log else ''}{result['rows']} held-out steps from {result['prompts']} held-out "
         f"prompts (every outcome known up to gamma {result['max_gamma']}). Throughput in {unit} under "
         f"{result.get('costs_note', 'the fitted cost model')}; CIs: paired bootstrap over prompts, "
         f"{result['n_resamples']} resamples, 95%; p: two-sided, ratio = 1. "
@@ -78,6 +107,7 @@ def markdown(
         row.append(f"{a['mean_gamma']:.2f}")
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
+    lines += _pairs_section(result)
     groups = [g for g in result["groups"] if g != "overall"]
     simple = [g for g in groups if "/" not in g]
     for heading, keys in (
