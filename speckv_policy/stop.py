@@ -294,16 +294,39 @@ class StopRule:
         gate = self._gate_by.get((code, "greedy" if temperature == 0 else "sampling"))
         return gate is None or gate(gate_features(pre)) >= 0.5
 
-    def begin(self, compression: str, temperature: float, cap: int, context_match_len: float) -> StopState:
+    def begin(
+        self,
+        compression: str,
+        temperature: float,
+        cap: int,
+        context_match_len: float,
+        prices: tuple[Sequence[float], float] | None = None,
+    ) -> StopState:
         """A step's state: ``cap`` tokens at most (the hook's budget), the context's self-repetition at its start.
+
+        ``prices`` = (verification ms for gamma ``0..max_gamma``, draft ms per token) replaces the rule's own cost
+        model for this step (live costs, :meth:`speckv_policy.hf.live_costs.LiveCosts.stop_prices`).
 
         Raises
         ------
         KeyError
             See :meth:`curves_for`.
+        ValueError
+            If ``prices`` has fewer than ``max_gamma + 1`` verification times or a value that is not a finite
+            number >= 0.
         """
         now, nxt = self.curves_for(compression, temperature)
-        verify, per_token = self._prices[COMPRESSION_CODES[compression]]
+        if prices is None:
+            verify, per_token = self._prices[COMPRESSION_CODES[compression]]
+        else:
+            verify, per_token = prices
+            if len(verify) < self.max_gamma + 1 or not all(
+                math.isfinite(v) and v >= 0 for v in (*verify[: self.max_gamma + 1], per_token)
+            ):
+                raise ValueError(
+                    f"prices need {self.max_gamma + 1} finite verification times >= 0 and a finite draft price "
+                    f">= 0, got {list(verify)!r}, {per_token!r}"
+                )
         cap = max(0, min(int(cap), self.max_gamma))
         return StopState(now, nxt, verify, per_token, verify[0] * self.token_value, cap, context_match_len)
 

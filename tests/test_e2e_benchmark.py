@@ -483,15 +483,15 @@ def test_the_report_covers_every_decoding_the_race_ran():
     assert "(sampling)" not in race.markdown(greedy_only) and not any("sampling" in g for g in race.goals(greedy_only))
 
 
-def test_the_race_runs_the_shipped_stop_rule_as_shipped_and_re_priced():
+def test_the_race_runs_the_shipped_stop_rule_as_shipped_re_priced_and_live():
     from speckv_policy.objective import CostModel
     from speckv_policy.stop import StopRule
 
     costs = CostModel((1.0,) * 3, (5.0,) * 3, (0.5,) * 3)
-    arms = race.make_arms(ROOT / "exported", "smollm2-", ["stop", "stop-repriced"], costs)
+    arms = race.make_arms(ROOT / "exported", "smollm2-", ["stop", "stop-repriced", "stop-live"], costs)
     by = {a.name: a for a in arms}
-    assert set(by) == {"target", "stop", "stop-repriced"}
-    for name in ("stop", "stop-repriced"):
+    assert set(by) == {"target", "stop", "stop-repriced", "stop-live"}
+    for name in ("stop", "stop-repriced", "stop-live"):
         assert by[name].mode == "stop" and by[name].group == "ours" and isinstance(by[name].policy, StopRule)
-    assert by["stop-repriced"].costs is costs and by["stop"].costs is None
+    assert by["stop-repriced"].costs is costs and by["stop"].costs is None and by["stop-live"].costs == "live"
     assert by["stop"].policy is by["stop-repriced"].policy  # loaded once

@@ -13,6 +13,7 @@ import torch
 
 from speckv_policy.evaluation.dense import simulate
 from speckv_policy.features import OnlineFeatureState
+from speckv_policy.hf.live_costs import LiveCosts
 from speckv_policy.objective import CostModel
 from speckv_policy.runtime import PolicyFallbackWarning
 from speckv_policy.stop import (
@@ -411,8 +412,8 @@ def test_stop_mode_reprices_and_says_what_it_cannot_take(pair, tmp_path):
             target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
         drafted[name] = np.mean([s.drafted for s in h.stats])
     assert drafted["cheap"] < drafted["own"]
-    with pytest.raises(ValueError, match="not live costs"):
-        attach(target, _rule(_const(0.7)), compression="fp32", mode="stop", costs="live")
+    with pytest.raises(ValueError, match="costs=LiveCosts.*not found"):
+        attach(target, _rule(_const(0.7)), compression="fp32", mode="stop", costs=LiveCosts(prior=tmp_path / "no.json"))
     with pytest.raises(ValueError, match="cost model file not found"):
         attach(target, _rule(_const(0.7)), compression="fp32", mode="stop", costs=str(tmp_path / "none.json"))
     with pytest.raises(TypeError, match="needs a StopRule"):
@@ -421,6 +422,61 @@ def test_stop_mode_reprices_and_says_what_it_cannot_take(pair, tmp_path):
         warnings.simplefilter("error")  # a good rule warns about nothing
         with attach(target, _rule(_const(0.7)), compression="fp32", mode="stop"):
             target.generate(ids, max_new_tokens=5, do_sample=False, assistant_model=draft)
+
+
+def test_live_stop_prices_start_at_the_prior_and_follow_the_machine():
+    """No observation: the rule's own prices. Drafting observed 3x the prior's time at every count: the per-token price
+    is 3x (the prior rescaled, shrinkage and all); verification observed as priced: unchanged."""
+    cost = _cost()
+    live = LiveCosts()
+    with pytest.raises(RuntimeError, match="start"):
+        live.stop_prices(8)
+    live.start(cost, 0)
+    verify, per_token = live.stop_prices(8)
+    assert verify == pytest.approx(cost.verify_ms(list(range(9)), 0).tolist()) and per_token == pytest.approx(2.0)
+    for _ in range(10):
+        for k in range(1, 9):
+            live.observe(k, 3 * float(cost.draft_ms(k, 0)), k, float(cost.verify_ms(k, 0)))
+    verify, per_token = live.stop_prices(8)
+    assert per_token == pytest.approx(6.0) and verify == pytest.approx(cost.verify_ms(list(range(9)), 0).tolist())
+    assert live.stop_prices(1) == (pytest.approx(verify[:2]), 2.0)  # one token: no second one to price
+    with pytest.raises(ValueError, match="max_gamma must be >= 1"):
+        live.stop_prices(0)
+    rule = _rule(_const(0.7))
+    own = rule.begin("fp32", 0.0, 8, 0)
+    given = rule.begin("fp32", 0.0, 8, 0, (rule.cost_model.verify_ms(list(range(9)), 0).tolist(), 2.0))
+    assert _run(own, [0.5] * 8) == _run(given, [0.5] * 8) and own.kept == given.kept
+    dear = rule.begin("fp32", 0.0, 8, 0, (verify, 6.0))  # drafting 3x dearer: drafts fewer tokens
+    assert sum(_run(dear, [0.5] * 8)) < sum(_run(rule.begin("fp32", 0.0, 8, 0), [0.5] * 8))
+    for bad in (([1.0] * 5, 2.0), ([1.0] * 9, float("nan")), ([1.0] * 8 + [-1.0], 2.0)):
+        with pytest.raises(ValueError, match="prices need 9 finite verification times"):
+            rule.begin("fp32", 0.0, 8, 0, bad)
+
+
+def test_stop_mode_with_live_costs_is_lossless_and_reprices_every_step(pair):
+    from speckv_policy.hf import attach
+
+    target, draft = pair
+    ids = torch.tensor([[1, 7, 3, 9]])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    with attach(target, _rule(_const(0.7)), compression="fp32", mode="stop", costs="live") as h:
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    live = h.live_costs
+    assert isinstance(live, LiveCosts) and live.observations == len(h.stats)
+    # the tiny pair's steps take ~a millisecond, not the prior's 10+: the live prices moved far from the rule's own
+    verify, _ = h._controller.decider.prices
+    assert verify[0] < 0.5 * float(_cost().verify_ms(0, 0))
+
+    class Failing(LiveCosts):
+        def observe(self, *a):
+            raise ArithmeticError("clock broke")
+
+    with pytest.warns(PolicyFallbackWarning, match="clock broke") as rec:
+        with attach(target, _rule(_const(0.7)), compression="fp32", mode="stop", costs=Failing()) as h:
+            out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref) and len([r for r in rec if r.category is PolicyFallbackWarning]) == 1
+    assert h.summary()["fallbacks"] == 0
 
 
 def test_stop_signals_benchmark_scores_the_curves_on_the_shipped_profile():

@@ -39,8 +39,9 @@ rotates from prompt to prompt so no arm always runs first):
   ``{mlp,gbt,table}-pre`` where ``exported/`` holds ``*-pre.onnx``: policies on the ``pre`` features that choose
   gamma before drafting (``attach(..., mode="pre")``), no probe; ``{mlp,gbt,table}-gated`` where it holds
   ``*-gated.onnx``: a pre-draft gate, then a length head after the probe (``attach(..., mode="gated")``); both also
-  ``*-repriced`` by the calibration when there is one; ``stop`` (and ``stop-repriced``) where it holds
-  ``stop.json``: the cost-aware stop rule (``attach(..., mode="stop")``, :mod:`speckv_policy.stop`).
+  ``*-repriced`` by the calibration when there is one; ``stop`` (and ``stop-repriced``, and ``stop-live``: its
+  prices re-estimated after every step, kept across a block's prompts) where it holds ``stop.json``: the
+  cost-aware stop rule (``attach(..., mode="stop")``, :mod:`speckv_policy.stop`).
 
 Every greedy output is compared with the target's own greedy output for the same prompt;
 any difference is reported (and makes the exit status 1). Results: medians of time per output
@@ -66,7 +67,7 @@ BEGIN, END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 #: The peers' adaptive rules (the bar the issue sets for ours).
 PEER_RULES = ("hf-default", "hf-heuristic", "adaedl", "sglang-adaptive", "vllm-dynamic")
 OURS = ("mlp", "gbt", "table")
-#: Name prefixes of our arms: the policy kinds and the cost-aware stop rule (``stop``, ``stop-repriced``).
+#: Name prefixes of our arms: the policy kinds and the cost-aware stop rule (``stop``, ``stop-repriced``, ``stop-live``).
 OURS_PREFIXES = (*OURS, "stop")
 ADAEDL_GAMMA, ADAEDL_BASE, ADAEDL_GAIN = 0.2, 0.5, 0.3
 BACKOFF = 8  # probe back-off cap of the *-backoff arms (attach(..., probe_backoff=8))
@@ -309,6 +310,7 @@ def make_arms(
         arms.append(ArmSpec("stop", policy=stop, group="ours", mode="stop"))
         if costs is not None:
             arms.append(ArmSpec("stop-repriced", policy=stop, group="ours", mode="stop", costs=costs))
+        arms.append(ArmSpec("stop-live", policy=stop, group="ours", mode="stop", costs="live"))
     if names:
         unknown = sorted(set(names) - {a.name for a in arms})
         if unknown:

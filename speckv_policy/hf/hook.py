@@ -185,13 +185,18 @@ class _StopDecider(_Fallback):
                 f"mode='stop' needs a StopRule or the path of its JSON (speckv-export --stop-rule); got {type(policy).__name__}"
             )
         self.rule: StopRule | None = None
+        #: live costs (``costs='live'`` or a LiveCosts): the prices every step begins with, refreshed after each step
+        self.live: LiveCosts | None = None
+        self.prices: tuple[list[float], float] | None = None
         try:
             self.rule = StopRule.load(policy)
         except (OSError, StopRuleError) as exc:  # a missing or broken file: every step falls back, one warning
             self.load_error = exc
-        if costs is not None:
-            if isinstance(costs, LiveCosts) or (isinstance(costs, str) and costs == "live"):
-                raise ValueError("mode='stop' takes costs= as a cost model (speckv-calibrate's JSON), not live costs")
+        if isinstance(costs, str) and costs == "live":
+            costs = LiveCosts()
+        if isinstance(costs, LiveCosts):
+            self.live = costs
+        elif costs is not None:
             try:
                 cost = CostModel.load(costs)
             except FileNotFoundError as exc:
@@ -203,12 +208,29 @@ class _StopDecider(_Fallback):
         if self.max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {self.max_gamma}")
 
+    def start_live(self, compression: str) -> LiveCosts | None:
+        """Start the live estimator (if any) at ``compression`` from the rule's cost model or its own prior."""
+        if self.live is None or self.rule is None:
+            return None  # no live costs, or an unreadable rule that falls back every step anyway
+        try:
+            self.live.start(self.rule.cost_model, compression_code(compression))
+            self.prices = self.live.stop_prices(self.rule.max_gamma)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"costs=LiveCosts(prior=...): {exc}") from None
+        return self.live
+
+    def refresh(self, drafted: int, draft_ms: float, verified: int, verify_ms: float) -> None:
+        """After a step: let the live estimator see it and price the next step."""
+        assert self.live is not None and self.rule is not None
+        self.live.observe(drafted, draft_ms, verified, verify_ms)
+        self.prices = self.live.stop_prices(self.rule.max_gamma)
+
     def begin(self, compression: str, temperature: float, cap: int, match_len: float) -> StopState | None:
         """The step's stop state, or None (after counting the failure) where the rule cannot decide."""
         try:
             if self.rule is None:
                 raise self.load_error or ValueError("no stop rule")
-            return self.rule.begin(compression, temperature, cap, match_len)
+            return self.rule.begin(compression, temperature, cap, match_len, self.prices)
         except Exception as exc:  # a broken rule must never break generation
             self._fail(f"{type(exc).__name__}: {exc}")
             return None
@@ -550,13 +572,16 @@ class _Controller:
         assert self.state is not None
         self.state.update(cur.gamma, cur.accepted)
         self.stats.append(cur)
-        if self.live is not None and self.decider is not None and self.decider.runtime is not None:
+        if self.live is not None and self.decider is not None:
             try:
-                self.live.observe(cur.drafted, cur.draft_ms, cur.gamma, cur.verify_ms)
-                rt = self.decider.runtime
-                rt.set_step_times(
-                    self.live.table(rt.candidates), unit=self.live.prior.unit if self.live.prior else "ms"
-                )
+                if isinstance(self.decider, _StopDecider):
+                    self.decider.refresh(cur.drafted, cur.draft_ms, cur.gamma, cur.verify_ms)
+                elif self.decider.runtime is not None:
+                    self.live.observe(cur.drafted, cur.draft_ms, cur.gamma, cur.verify_ms)
+                    rt = self.decider.runtime
+                    rt.set_step_times(
+                        self.live.table(rt.candidates), unit=self.live.prior.unit if self.live.prior else "ms"
+                    )
             except Exception as exc:  # cost estimates must never break generation: keep the last prices
                 self.live = None
                 warnings.warn(
@@ -845,7 +870,10 @@ def attach(
         estimates of the draft and verification times this generation
         measures. Needs an ONNX export (a path or a RuntimePolicy, which is
         then copied, not changed) that maximises tokens per second.
-        ``mode='stop'``: a cost model only (the rule is re-priced as it loads).
+        ``mode='stop'``: a cost model (the rule is re-priced as it loads) or
+        live costs (the rule's prices, verification per gamma and the draft's
+        per-token time, re-estimated after every step,
+        :meth:`~speckv_policy.hf.live_costs.LiveCosts.stop_prices`).
     draft_loop : {'lean', 'generate'}, default='lean'
         ``'lean'`` drafts with the draft model's own cached forward calls
         (:class:`~speckv_policy.hf.lean_draft.LeanDraft`), skipping the
@@ -925,7 +953,9 @@ def attach(
     controller = _Controller(decider, mode, compression, gamma_fn, record_tokens, sync_cuda)
     controller.probe_backoff = int(probe_backoff)
     controller.draft_loop = draft_loop
-    if costs is not None and mode != "stop":  # a stop rule was re-priced as it loaded
+    if isinstance(decider, _StopDecider):  # a stop rule was re-priced as it loaded; live costs start here
+        controller.live = decider.start_live(compression)
+    elif costs is not None:
         controller.live = _price(decider, costs, compression, mode)
     original = _compat.default_candidate_generator(target)
 

@@ -110,6 +110,28 @@ class LiveCosts:
         verify = self._blend(self._verify, self._verify_median, self._prior_verify, cm.verify_ms, sorted(set(cands)))
         return np.array([cm.overhead_ms + draft.get(max(g, cm.decision_draft_tokens), 0.0) + verify[g] for g in cands])
 
+    def stop_prices(self, max_gamma: int) -> tuple[list[float], float]:
+        """A stop rule's prices at this level, live: verification ms for gamma ``0..max_gamma`` and the draft's ms per
+        token (:meth:`speckv_policy.stop.StopRule.begin`'s ``prices``).
+
+        The per-token price is the least-squares slope, over ``1..max_gamma`` draft tokens, of the estimated time of
+        a drafting call (a call's fixed part is paid once the probe is, so only the slope prices one more token).
+        """
+        if self.prior is None:
+            raise RuntimeError("LiveCosts.start() was not called")
+        if max_gamma < 1:
+            raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+        cm = self.prior
+        gammas = list(range(max_gamma + 1))
+        verify = self._blend(self._verify, self._verify_median, self._prior_verify, cm.verify_ms, gammas)
+        ks = gammas[1:]
+        draft = self._blend(self._draft, self._draft_median, self._prior_draft, cm.draft_ms, ks)
+        if len(ks) == 1:  # a one-token cap never prices a second token
+            return [float(verify[g]) for g in gammas], float(cm.draft_ms_per_token[self.code])
+        x = np.asarray(ks, dtype=np.float64) - np.mean(ks)
+        per_token = float(np.dot(x, [draft[k] for k in ks]) / np.dot(x, x))
+        return [float(verify[g]) for g in gammas], max(0.0, per_token)
+
     def table(self, candidates: np.ndarray) -> np.ndarray:
         """``(3, G)`` step times for :meth:`RuntimePolicy.set_step_times`: the prior's, with this level live."""
         if self.prior is None:
