@@ -463,7 +463,7 @@ def test_stop_mode_with_live_costs_is_lossless_and_reprices_every_step(pair):
         out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
     live = h.live_costs
-    assert isinstance(live, LiveCosts) and live.observations == len(h.stats)
+    assert isinstance(live, LiveCosts) and live.observations == len(h.stats) - 1  # not the prefill step
     # the tiny pair's steps take ~a millisecond, not the prior's 10+: the live prices moved far from the rule's own
     verify, _ = h._controller.decider.prices
     assert verify[0] < 0.5 * float(_cost().verify_ms(0, 0))

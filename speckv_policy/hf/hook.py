@@ -572,7 +572,7 @@ class _Controller:
         assert self.state is not None
         self.state.update(cur.gamma, cur.accepted)
         self.stats.append(cur)
-        if self.live is not None and self.decider is not None:
+        if self.live is not None and self.decider is not None and cur.step > 0:  # step 0 also ran the prefill
             try:
                 if isinstance(self.decider, _StopDecider):
                     self.decider.refresh(cur.drafted, cur.draft_ms, cur.gamma, cur.verify_ms)
