@@ -429,6 +429,7 @@ def test_online_offline_choices_and_accounting_on_the_shipped_race_with_steps():
         "onednn_fp32_sampling_stop",
         "onednn_nf4_sampling_live",
         "onednn_int8_sampling_stop",
+        "onednn_nf4_greedy_live",
     ],
 )
 def test_shipped_race_docs_are_what_their_saved_runs_render(stem):
