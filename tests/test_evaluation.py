@@ -331,6 +331,13 @@ def test_speckv_eval_decide_costs_pairs_each_export_with_itself(synthetic, cost_
     assert "timed no step at fp16/bf16/fp32, int8" in md
     assert "## Deciding with other prices" in md and "| synthetic-gbt@dear | synthetic-gbt | overall |" in md
 
+    mlp16 = str(ROOT / "exported" / "synthetic-paper-mlp16.onnx")  # tokens per step: no prices to decide with
+    capsys.readouterr()
+    out = tmp_path / "mlp16"
+    both = [*common, "--policy", gbt, mlp16]  # the last --policy wins
+    assert eval_cli.main([*both, "--out", str(out), "--decide-costs", str(dear)]) == 0
+    assert "leaves synthetic-paper-mlp16 alone: it maximises tokens_per_step" in capsys.readouterr().err
+    assert set(json.loads((out / "eval.json").read_text())["pairs"]) == {"synthetic-gbt@dear"}
     assert eval_cli.main([*common, "--out", str(tmp_path / "x"), "--decide-costs", str(tmp_path / "nope.json")]) == 2
     assert "nope.json" in capsys.readouterr().err
 

@@ -49,6 +49,18 @@ def load_for_eval(
     return pol.feature_set, batch_chooser(pol)
 
 
+def _not_repriceable(path: str) -> str:
+    """Why ``--decide-costs`` cannot pair a policy file with itself under other prices ("" where it can)."""
+    if Path(path).suffix != ".onnx":
+        return "it is not an ONNX export (pairs are exports re-priced at load)"
+    from ..runtime import RuntimePolicy
+
+    rt = RuntimePolicy(path)
+    if not rt.repriceable:
+        return f"it maximises {rt.metadata.get('speckv.objective')}, so prices do not change its decisions"
+    return ""
+
+
 def select_rows(log: Any, where: str, **columns: str | None) -> Any:
     """The rows of ``log`` whose ``column`` is one of the comma-separated values given for it (None: every row).
 
@@ -176,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             policies[name] = load_for_eval(
                 path, trust_pickle=args.trust_pickle, cost_model=cost if args.costs else None
             )
-            if stale is not None and Path(path).suffix == ".onnx":
+            if stale is not None:
+                why = _not_repriceable(path)
+                if why:
+                    print(f"note: --decide-costs leaves {name} alone: {why}", file=sys.stderr)
+                    continue
                 pairs[f"{name}@{Path(args.decide_costs).stem}"] = name
                 policies[f"{name}@{Path(args.decide_costs).stem}"] = load_for_eval(path, cost_model=stale)
         result, es = evaluate_log(
