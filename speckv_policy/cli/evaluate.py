@@ -49,8 +49,9 @@ def load_for_eval(
     return pol.feature_set, batch_chooser(pol)
 
 
-def _not_repriceable(path: str) -> str:
-    """Why ``--decide-costs`` cannot pair a policy file with itself under other prices ("" where it can)."""
+def _decide_with(path: str, cost: Any) -> tuple[str, Callable[[Any], np.ndarray]] | str:
+    """An export's (feature set, batch choose function) re-priced with ``cost`` for ``--decide-costs``, loaded once;
+    or why it cannot be paired with itself under other prices."""
     if Path(path).suffix != ".onnx":
         return "it is not an ONNX export (pairs are exports re-priced at load)"
     from ..runtime import RuntimePolicy
@@ -58,7 +59,8 @@ def _not_repriceable(path: str) -> str:
     rt = RuntimePolicy(path)
     if not rt.repriceable:
         return f"it maximises {rt.metadata.get('speckv.objective')}, so prices do not change its decisions"
-    return ""
+    rt.reprice(cost)
+    return rt.feature_set.name, rt.decide_gated_batch if rt.gated else rt.decide_batch  # type: ignore[union-attr]
 
 
 def select_rows(log: Any, where: str, **columns: str | None) -> Any:
@@ -189,12 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                 path, trust_pickle=args.trust_pickle, cost_model=cost if args.costs else None
             )
             if stale is not None:
-                why = _not_repriceable(path)
-                if why:
-                    print(f"note: --decide-costs leaves {name} alone: {why}", file=sys.stderr)
+                stale_policy = _decide_with(path, stale)
+                if isinstance(stale_policy, str):
+                    print(f"note: --decide-costs leaves {name} alone: {stale_policy}", file=sys.stderr)
                     continue
                 pairs[f"{name}@{Path(args.decide_costs).stem}"] = name
-                policies[f"{name}@{Path(args.decide_costs).stem}"] = load_for_eval(path, cost_model=stale)
+                policies[f"{name}@{Path(args.decide_costs).stem}"] = stale_policy
         result, es = evaluate_log(
             log,
             policies,

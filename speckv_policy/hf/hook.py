@@ -497,7 +497,7 @@ class _Controller:
         if self.mode == "upfront":
             if k == 1:
                 conf, ent = draft_token_stats_one(logits)
-                self._plan = self._decide(self.state.features(float(conf), float(ent), context_len), t)
+                self._plan = self._decide(self.state.features(conf, ent, context_len), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
         if self.mode == "stop":
@@ -506,12 +506,12 @@ class _Controller:
             if k == 1:
                 assert self._pre_row is not None
                 conf, ent = draft_token_stats_one(logits)
-                self._plan = self._decide(self._gated(self._pre_row, float(conf), float(ent)), t)
+                self._plan = self._decide(self._gated(self._pre_row, conf, ent), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
         # per-token: would a step starting from this token's distribution draft?
         conf, ent = draft_token_stats_one(logits)
-        g = self._decide(self.state.features(float(conf), float(ent), context_len), t)
+        g = self._decide(self.state.features(conf, ent, context_len), t)
         if g >= 1:
             self._kept = k
         return g < 2 or k >= self.max_gamma
@@ -528,7 +528,7 @@ class _Controller:
         if self._stop is not None:
             try:
                 conf, ent = draft_token_stats_one(logits)
-                go = self._stop.after_token(float(conf), float(ent))
+                go = self._stop.after_token(conf, ent)
                 self._kept = self._stop.kept
             except Exception as exc:  # a broken rule must never break generation
                 self._stop = None

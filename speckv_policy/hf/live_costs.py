@@ -124,10 +124,10 @@ class LiveCosts:
         cm = self.prior
         gammas = list(range(max_gamma + 1))
         verify = self._blend(self._verify, self._verify_median, self._prior_verify, cm.verify_ms, gammas)
+        if max_gamma == 1:  # a one-token cap never prices a second token
+            return [float(verify[g]) for g in gammas], float(cm.draft_ms_per_token[self.code])
         ks = gammas[1:]
         draft = self._blend(self._draft, self._draft_median, self._prior_draft, cm.draft_ms, ks)
-        if len(ks) == 1:  # a one-token cap never prices a second token
-            return [float(verify[g]) for g in gammas], float(cm.draft_ms_per_token[self.code])
         x = np.asarray(ks, dtype=np.float64) - np.mean(ks)
         per_token = float(np.dot(x, [draft[k] for k in ks]) / np.dot(x, x))
         return [float(verify[g]) for g in gammas], max(0.0, per_token)
