@@ -157,6 +157,27 @@ def _in_generation(exported: str, pattern: str, report, target_linear: str = "de
         )
         if gates:
             report(path.stem, "Python, ... a step its gate keeps plain (us per step: the gate)", np.asarray(gates))
+    _token_stats_hot(draft, inputs[0], report)
+
+
+def _token_stats_hot(draft, ids, report) -> None:
+    """The per-draft-token statistics alone, back to back on one real draft distribution (its floor, caches warm)."""
+    import torch
+
+    from speckv_policy.features import draft_token_stats_one
+
+    with torch.inference_mode():
+        scores = draft(ids).logits[0, -1].float()  # float32, as the lean loop hands them over
+    times = []
+    for _ in range(2000):
+        t = time.perf_counter()
+        draft_token_stats_one(scores)
+        times.append((time.perf_counter() - t) * 1e6)
+    report(
+        f"draft_token_stats_one ({scores.shape[0]:,} scores)",
+        "hot, back to back (us per draft token)",
+        np.asarray(times),
+    )
 
 
 def _after_forward(exported: str, pattern: str, report, target_linear: str = "default") -> None:
