@@ -1,0 +1,60 @@
+"""benchmarks/decision_latency.py --marginal: its step timing and the replay it rests on."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from speckv_policy.hf import attach
+from speckv_policy.testing import tiny_llama_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("decision_latency", ROOT / "benchmarks" / "decision_latency.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_time_outside_the_forwards_per_step():
+    events = [
+        ("target", False, 0.0),  # step 0 (prefill): only its end opens the first interval
+        ("target", True, 1.0),
+        ("draft", False, 1.5),
+        ("draft", True, 2.0),
+        ("draft", False, 2.25),
+        ("draft", True, 2.5),
+        ("target", False, 3.0),
+        ("target", True, 5.0),  # step 1: 4 s from end to end, 0.75 s drafting, 2 s verifying -> 1.25 s outside
+        ("target", False, 5.5),
+        ("target", True, 6.0),  # step 2: a plain step, 1 s end to end, 0.5 s forward
+    ]
+    assert _bench()._nonforward_us(events) == pytest.approx([1.25e6, 0.5e6])
+
+
+def test_a_pre_policys_choices_replayed_take_the_same_forward_passes():
+    """The A/B compares step by step: the replay must run the same tokens through the same passes."""
+    target, draft = tiny_llama_pair(seed=0)
+    passes = []
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: passes.append(n)) for n, m in (("t", target), ("d", draft))]
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    try:
+        it = itertools.cycle([3, 0, 5, 1, 0, 8, 2])
+        with attach(target, lambda features: next(it), mode="pre", feature_set="pre", compression="fp32") as h:
+            a = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+        gammas, with_policy = [s.gamma for s in h.stats], list(passes)
+        passes.clear()
+        with attach(target, None, compression="fp32", mode="fixed", gamma_fn=gammas.__getitem__):
+            b = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    assert torch.equal(a, b)
+    assert passes == with_policy and with_policy.count("d") > 0 and 0 in gammas
