@@ -2,6 +2,7 @@
 
 Usage:
     python benchmarks/verify_cost.py [--target smollm2] [--compressions fp32] [--context 120] [--repeats 10]
+        [--converted]
 
 A speculative step verifies ``gamma + 1`` tokens in one target forward after
 the cached context. This times exactly that forward (the context's prefill is
@@ -15,6 +16,11 @@ median ms per forward, its ratio to the one-token forward of the same backend
 (what a longer verification costs extra) and oneDNN's time over the default's,
 and how far the two copies' logits are apart (the largest absolute difference
 over a 9-token forward and how often their argmax agrees).
+
+``--converted`` adds a third copy whose oneDNN layers convert the activations
+to and from oneDNN's layout around every call (``use_onednn_linear(...,
+fused=False)``, how they ran before the fused linear), timed in the same
+shuffled rounds: what the fused linear saves, and that it computes the same.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=9, help="time forwards over 1..N new tokens (default 9)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--converted",
+        action="store_true",
+        help="also time oneDNN layers that convert activations around every call (the way before the fused linear)",
+    )
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -51,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         models = {"default": SMOLLM2_MODELS.load_model(args.target, comp, "cpu")}
         models["onednn"] = SMOLLM2_MODELS.load_model(args.target, comp, "cpu")
         swapped = use_onednn_linear(models["onednn"])
+        if args.converted:
+            models["converted"] = SMOLLM2_MODELS.load_model(args.target, comp, "cpu")
+            use_onednn_linear(models["converted"], fused=False)
         vocab = models["default"].config.vocab_size
         ctx = torch.tensor([rng.integers(100, vocab, size=args.context).tolist()])
         times: dict[tuple[str, int], list[float]] = {(b, k): [] for b in models for k in sizes}
@@ -80,14 +94,23 @@ def main(argv: list[str] | None = None) -> int:
             f"(logit range {logits['default'].min().item():.1f}..{logits['default'].max().item():.1f}); "
             f"argmax agrees at {agree:.0%} of positions\n"
         )
-        print("| new tokens | default ms | x one token | oneDNN ms | x one token | oneDNN / default |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        conv = "converted" in models
+        if conv:
+            gap_c = (logits["converted"] - logits["onednn"]).abs().max().item()
+            print(f"fused against converted oneDNN layers: largest absolute logit difference {gap_c:.2e}\n")
+        extra = " oneDNN converted ms | fused / converted |" if conv else ""
+        print(f"| new tokens | default ms | x one token | oneDNN ms | x one token | oneDNN / default |{extra}")
+        print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if conv else ""))
         for k in sizes:
             d, o = med[("default", k)], med[("onednn", k)]
-            print(
+            row = (
                 f"| {k} | {d:.1f} | {d / med[('default', 1)]:.2f} | {o:.1f} | {o / med[('onednn', 1)]:.2f} | "
                 f"{o / d:.2f} |"
             )
+            if conv:
+                c = med[("converted", k)]
+                row += f" {c:.1f} | {o / c:.2f} |"
+            print(row)
         print()
         del models
     return 0

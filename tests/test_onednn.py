@@ -7,11 +7,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from speckv_policy.hf import attach
+from speckv_policy.hf import attach, onednn
 from speckv_policy.hf.onednn import (
     LINEAR_BACKENDS,
     OneDNNLinear,
     apply_linear_backend,
+    fused_linear_available,
     onednn_available,
     use_onednn_linear,
 )
@@ -25,21 +26,50 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(5, 24), (1, 7, 24), (2, 3, 4, 24), (0, 24)])
-def test_onednn_linear_computes_what_the_layer_computes(bias, shape):
+@pytest.mark.parametrize("shape", [(5, 24), (1, 7, 24), (1, 1, 24), (2, 3, 4, 24), (0, 24)])
+def test_onednn_linear_computes_what_the_layer_computes(fused, bias, shape, monkeypatch):
+    if fused:
+        assert fused_linear_available(), "this torch build should run oneDNN's fused linear"
+    else:  # a build without the fused op: the same weights through layout conversions
+        monkeypatch.setattr(onednn, "fused_linear_available", lambda: False)
     torch.manual_seed(0)
     lin = torch.nn.Linear(24, 40, bias=bias)
     fast = OneDNNLinear(lin)
+    assert fast.fused is fused and ("(fused)" if fused else "(converted)") in repr(fast)
     x = torch.randn(*shape)
+    strided = torch.randn(*shape[:-1], 48)[..., ::2]  # a non-contiguous input is fine too
     with torch.no_grad():
         expected = lin(x)
         got = fast(x)
-        got_strided = fast(torch.randn(*shape[:-1], 48)[..., ::2])  # a non-contiguous input is fine too
+        got_strided = fast(strided)
+        expected_strided = lin(strided)
     assert got.shape == expected.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert got_strided.shape == expected.shape
+    torch.testing.assert_close(got_strided, expected_strided, rtol=1e-5, atol=1e-5)
     assert (fast.in_features, fast.out_features) == (24, 40) and "onednn" in repr(fast)
+    # with autograd on, an input that needs gradients takes the conversions (the fused op has no autograd kernel)
+    x.requires_grad_(True)
+    torch.testing.assert_close(fast(x).detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_op_that_disagrees_is_not_used(monkeypatch):
+    fused_linear_available.cache_clear()
+    try:
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, w, b, *a: torch.zeros(2, 3, 24))
+        assert not fused_linear_available()
+        fused_linear_available.cache_clear()
+
+        def missing(*args):
+            raise RuntimeError("Could not run 'mkldnn::_linear_pointwise' with arguments from the 'CPU' backend")
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", missing)
+        assert not fused_linear_available()
+    finally:
+        monkeypatch.undo()
+        fused_linear_available.cache_clear()
+    assert fused_linear_available()
 
 
 class _QuantizedLike(torch.nn.Linear):
@@ -69,6 +99,17 @@ def test_clear_errors():
         OneDNNLinear(_QuantizedLike(2, 2))
     with pytest.raises(ValueError, match="float32 weight on CPU, got torch.bfloat16"):
         OneDNNLinear(torch.nn.Linear(2, 2).to(torch.bfloat16))
+
+
+def test_the_way_can_be_chosen(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    assert use_onednn_linear(model, fused=False) == 2 and not model[0].fused and not model[1].fused
+    assert OneDNNLinear(torch.nn.Linear(8, 8), fused=True).fused
+    monkeypatch.setattr(onednn, "fused_linear_available", lambda: False)
+    with pytest.raises(RuntimeError, match="fused=True, but this torch build cannot run oneDNN's fused linear"):
+        OneDNNLinear(torch.nn.Linear(8, 8), fused=True)
+    with pytest.raises(RuntimeError, match="fused=True, but this torch build cannot"):
+        use_onednn_linear(torch.nn.Linear(8, 8), fused=True)
 
 
 def test_cli_choices_are_the_backends():

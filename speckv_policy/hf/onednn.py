@@ -9,6 +9,14 @@ The same layers with their weights pre-packed for oneDNN (``Tensor.to_mkldnn``)
 cost ~31 ms for one token and 38-46 ms for 2-9
 (``python benchmarks/verify_cost.py``; docs/onednn.md).
 
+Each layer runs oneDNN's fused linear (``torch.ops.mkldnn._linear_pointwise``,
+the op torch's own CPU compiler emits for a linear layer, on a weight reordered
+once by ``torch.ops.mkldnn._reorder_linear_weight``): it reads and writes plain
+tensors, so no activation is converted to oneDNN's layout and back around every
+layer (those two conversions cost ~60 us per layer here, about a third of a
+SmolLM2 forward). A torch build without that op, or a call that needs autograd,
+takes the conversions instead (same arithmetic, :func:`fused_linear_available`).
+
 :func:`use_onednn_linear` swaps, in place, every plain ``torch.nn.Linear`` of a
 float32 CPU model for :class:`OneDNNLinear`. It is opt-in and for inference only
 (the packed weights are plain attributes, not parameters: nothing can be trained). It
@@ -23,12 +31,20 @@ left alone: only float32 layers are converted (the bf16 draft keeps torch's).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import torch
 
-__all__ = ["LINEAR_BACKENDS", "OneDNNLinear", "apply_linear_backend", "onednn_available", "use_onednn_linear"]
+__all__ = [
+    "LINEAR_BACKENDS",
+    "OneDNNLinear",
+    "apply_linear_backend",
+    "fused_linear_available",
+    "onednn_available",
+    "use_onednn_linear",
+]
 
 #: What ``--target-linear`` accepts: torch's own layers, or :func:`use_onednn_linear`.
 LINEAR_BACKENDS = ("default", "onednn")
@@ -39,6 +55,27 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available())
 
 
+@functools.cache
+def fused_linear_available() -> bool:
+    """Whether oneDNN's fused linear runs here and computes what ``torch.nn.functional.linear`` does (checked once).
+
+    It is an operator of torch's CPU build (``torch.ops.mkldnn._linear_pointwise``),
+    not a documented API: a build that lacks it, or where it disagrees on a
+    small check, runs :class:`OneDNNLinear` through layout conversions instead.
+    """
+    if not onednn_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w, b, x = (torch.randn(*shape, generator=gen) for shape in ((24, 16), (24,), (2, 3, 16)))
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+        return bool(got.shape == (2, 3, 24) and torch.allclose(got, x @ w.T + b, rtol=1e-4, atol=1e-4))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
 class OneDNNLinear(torch.nn.Module):
     """A float32 ``nn.Linear`` whose weight is pre-packed for oneDNN; inference only.
 
@@ -47,6 +84,10 @@ class OneDNNLinear(torch.nn.Module):
     linear : torch.nn.Linear
         A plain linear layer with a float32 weight on CPU. Its weight (and bias)
         are copied into oneDNN's layout; the layer itself is not modified.
+    fused : bool or None, default=None
+        Run oneDNN's fused linear (``True``) or convert the activations to and
+        from oneDNN's layout around the call (``False``, the slower way, kept for
+        comparison); ``None``: fused where :func:`fused_linear_available`.
 
     Attributes
     ----------
@@ -54,7 +95,7 @@ class OneDNNLinear(torch.nn.Module):
         As the original layer's.
     """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, fused: bool | None = None) -> None:
         super().__init__()
         if type(linear) is not torch.nn.Linear:
             raise TypeError(f"OneDNNLinear converts a plain torch.nn.Linear, got {type(linear).__name__}")
@@ -65,22 +106,34 @@ class OneDNNLinear(torch.nn.Module):
             raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        if fused and not fused_linear_available():
+            raise RuntimeError("fused=True, but this torch build cannot run oneDNN's fused linear")
+        #: whether the layer runs oneDNN's fused linear (else the same weights through layout conversions)
+        self.fused = fused_linear_available() if fused is None else bool(fused)
         with torch.no_grad():  # plain attributes, not buffers: state_dict() and .to() never see oneDNN tensors
-            self.packed_weight = w.detach().to_mkldnn()
-            self.packed_bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
+            weight = w.detach()
+            # one packed copy: the fused op's reordered weight also serves the conversions' path
+            self.packed_weight = (
+                torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.fused else weight.to_mkldnn()
+            )
+            self.bias = None if linear.bias is None else linear.bias.detach().clone()
+            self.packed_bias = None if self.bias is None else self.bias.to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T + bias`` over the last dimension (any leading shape)."""
+        if self.fused and not (x.requires_grad and torch.is_grad_enabled()):  # the op has no autograd kernel
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
         y = torch.nn.functional.linear(rows, self.packed_weight, self.packed_bias).to_dense()
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, backend=onednn"
+        way = "fused" if self.fused else "converted"
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend=onednn ({way})"
 
 
-def use_onednn_linear(model: Any) -> int:
+def use_onednn_linear(model: Any, fused: bool | None = None) -> int:
     """Swap every plain float32 CPU ``nn.Linear`` of ``model`` for :class:`OneDNNLinear`, in place.
 
     Parameters
@@ -89,6 +142,8 @@ def use_onednn_linear(model: Any) -> int:
         Typically a Hugging Face causal LM loaded in float32 on CPU, used for
         inference only (``generate``). Tied weights (an LM head sharing the
         embedding matrix) are copied, so the head's weight is held twice.
+    fused : bool or None, default=None
+        As :class:`OneDNNLinear`'s (``None``: oneDNN's fused linear where it runs).
 
     Returns
     -------
@@ -99,10 +154,12 @@ def use_onednn_linear(model: Any) -> int:
     Raises
     ------
     RuntimeError
-        When this torch build has no oneDNN.
+        When this torch build has no oneDNN (or, with ``fused=True``, no fused linear).
     """
     if not onednn_available():
         raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
+    if fused and not fused_linear_available():
+        raise RuntimeError("fused=True, but this torch build cannot run oneDNN's fused linear")
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
@@ -113,7 +170,7 @@ def use_onednn_linear(model: Any) -> int:
             ):
                 swaps.append((parent, name, child))
     for parent, name, child in swaps:
-        setattr(parent, name, OneDNNLinear(child))
+        setattr(parent, name, OneDNNLinear(child, fused=fused))
     return len(swaps)
 
 
