@@ -18,6 +18,7 @@ from speckv_policy.hf.onednn import (
 )
 from speckv_policy.testing import tiny_llama_pair
 
+from .conftest import run_benchmark, table_rows
 from .test_hf_hook import _assisted_vs_draft_sampling, _cycle
 
 pytestmark = [
@@ -157,3 +158,12 @@ def test_sampling_keeps_the_converted_targets_distribution():
     assert max(s.gamma for s in h.stats) >= 1
     assert p_assisted > 0.001
     assert p_draft < 1e-6  # the test can tell a wrong distribution apart
+
+
+def test_fused_against_converted_end_to_end_runs_on_the_real_pair():
+    """benchmarks/fused_linear_e2e.py, tiny: both copies generate every arm (mechanics, not speed)."""
+    out = run_benchmark("fused_linear_e2e.py", "--per-task", "1", "--max-new-tokens", "4")
+    rows = table_rows(out, "target", "fixed-2", "stop")
+    assert [r[0] for r in rows] == ["target", "fixed-2", "stop"]
+    for r in rows:
+        assert float(r[1]) > 0 and float(r[2]) > 0 and r[4].endswith("of 4")

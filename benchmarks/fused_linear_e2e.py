@@ -1,0 +1,114 @@
+"""oneDNN's fused linear against the layout conversions, end to end: the same generations on two copies of the target.
+
+Usage:
+    python benchmarks/fused_linear_e2e.py [--per-task 6] [--max-new-tokens 48] [--costs costs.json]
+
+Loads SmolLM2-135M in fp32 twice in one process, its linear layers on oneDNN
+both times: fused (``use_onednn_linear(target)``, the default) and converted
+(``use_onednn_linear(target, fused=False)``: activations converted to and from
+oneDNN's layout around every layer, the way before). Then, per held-out prompt
+(``--per-task`` per task type), greedy, the target alone, fixed gamma 2 and the
+cost-aware stop rule (``exported/smollm2-stop.json``; re-priced with
+``--costs``, else ``costs="live"``) through the hook with the distilled draft,
+each on both copies, the order of the copies alternating from prompt to prompt.
+Prints per arm the median ms per output token on each copy and the median of
+the per-prompt ratios fused / converted with a 95% bootstrap CI over prompts,
+and how many greedy outputs the two copies disagree on (near ties: the layers'
+one-row calls may round differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", default="datasets/prompts/prompts.jsonl")
+    ap.add_argument("--per-task", type=int, default=6, help="held-out prompts per task type (default 6)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--stop-rule", default="exported/smollm2-stop.json")
+    ap.add_argument("--costs", default=None, help="a calibration (speckv-calibrate) to price the stop rule with")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from speckv_policy.hf import attach
+    from speckv_policy.hf.models import draft_precision
+    from speckv_policy.hf.onednn import use_onednn_linear
+    from speckv_policy.prompts import encode_prompt, read_prompts
+    from speckv_policy.smollm2.models import load_model, load_tokenizer
+
+    warnings.filterwarnings("ignore")
+    tok = load_tokenizer("smollm2")
+    targets = {}
+    for way, fused in (("fused", True), ("converted", False)):
+        targets[way] = load_model("smollm2", "fp32")
+        use_onednn_linear(targets[way], fused=fused)
+    draft = load_model("datasets/smollm2/draft", draft_precision("cpu"))
+    held = [p for p in read_prompts(args.prompts) if p.split == "heldout"]
+    picked = []
+    for task in sorted({p.task_type for p in held}):
+        picked += [p for p in held if p.task_type == task][: args.per_task]
+    costs = args.costs or "live"
+    arms = ("target", "fixed-2", "stop")
+
+    def run(arm: str, target, ids) -> tuple[float, list[int]]:
+        kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+        handle = None
+        if arm == "fixed-2":
+            handle = attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda step: 2)
+        elif arm == "stop":
+            handle = attach(target, args.stop_rule, compression="fp32", mode="stop", costs=costs)
+        if handle is not None:
+            kw["assistant_model"] = draft
+        try:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = target.generate(ids, **kw)
+            seconds = time.perf_counter() - t0
+        finally:
+            if handle is not None:
+                handle.detach()
+        new = out[0, ids.shape[1] :].tolist()
+        return seconds * 1000 / max(len(new), 1), new
+
+    ms = {(arm, way): [] for arm in arms for way in targets}
+    differ = {arm: 0 for arm in arms}
+    t_start = time.perf_counter()
+    for i, prompt in enumerate(picked):
+        ids = torch.tensor([encode_prompt(prompt, tok)])
+        order = list(targets) if i % 2 == 0 else list(targets)[::-1]
+        for arm in arms:
+            outs = {}
+            for way in order:
+                ms[(arm, way)].append(0.0)
+                ms[(arm, way)][-1], outs[way] = run(arm, targets[way], ids)
+            differ[arm] += outs["fused"] != outs["converted"]
+    minutes = (time.perf_counter() - t_start) / 60
+    print(
+        f"SmolLM2-135M fp32 on oneDNN, fused vs converted layers, one process; {len(picked)} held-out prompts, "
+        f"{args.max_new_tokens} new tokens, greedy, the copies' order alternating; stop rule priced "
+        f"{'with ' + args.costs if args.costs else 'live'}; {minutes:.1f} min\n"
+    )
+    print("| arm | fused ms/token | converted ms/token | fused / converted [95% CI] | outputs that differ |")
+    print("|---|---:|---:|---|---:|")
+    rng = np.random.default_rng(0)
+    for arm in arms:
+        f, c = np.asarray(ms[(arm, "fused")]), np.asarray(ms[(arm, "converted")])
+        r = f / c
+        boot = [np.median(rng.choice(r, r.size)) for _ in range(2000)]
+        lo, hi = np.percentile(boot, [2.5, 97.5])
+        print(
+            f"| {arm} | {np.median(f):.1f} | {np.median(c):.1f} | {np.median(r):.3f} [{lo:.3f}, {hi:.3f}] | "
+            f"{differ[arm]} of {len(picked)} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
