@@ -19,7 +19,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from speckv_policy.atomic import atomic_write_text
-from speckv_policy.cli.common import add_draft_precision_argument, add_target_linear_argument, int_at_least
+from speckv_policy.cli.common import (
+    add_draft_linear_argument,
+    add_draft_precision_argument,
+    add_target_linear_argument,
+    int_at_least,
+)
 from speckv_policy.evaluation.race import goals, make_arms, markdown, plot, summarize_runs, unexplained, write_section
 
 
@@ -44,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     add_draft_precision_argument(ap)
     add_target_linear_argument(ap)
+    add_draft_linear_argument(ap)
     ap.add_argument("--out", default="docs/e2e.json", help="raw runs and summary (JSON)")
     ap.add_argument("--plot", default="docs/e2e_speedup.png")
     ap.add_argument("--doc", default="docs/benchmarks.md", help="markdown file whose e2e section is rewritten")
@@ -104,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 draft_precision=args.draft_precision,
                 target_linear=args.target_linear,
+                draft_linear=args.draft_linear,
             )
             train = [p for p in read_prompts(args.prompts) if p.split == "train"] or held
             cost, steps = calibrate(cal, train, models=SMOLLM2_MODELS)
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             draft_precision=args.draft_precision,
             target_linear=args.target_linear,
+            draft_linear=args.draft_linear,
         )
         result = run_race(cfg, arms, picked, models=SMOLLM2_MODELS)
         result["config"]["per_task"] = args.per_task

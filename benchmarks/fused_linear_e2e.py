@@ -1,7 +1,8 @@
-"""oneDNN's fused linear against the layout conversions, end to end: the same generations on two copies of the target.
+"""oneDNN's fused linear end to end: the same generations on two copies of the target (or of the draft).
 
 Usage:
     python benchmarks/fused_linear_e2e.py [--per-task 6] [--max-new-tokens 48] [--costs costs.json]
+    python benchmarks/fused_linear_e2e.py --compare draft [--per-task 6] [--costs costs.json]
 
 Loads SmolLM2-135M in fp32 twice in one process, its linear layers on oneDNN
 both times: fused (``use_onednn_linear(target)``, the default) and converted
@@ -15,6 +16,12 @@ Prints per arm the median ms per output token on each copy and the median of
 the per-prompt ratios fused / converted with a 95% bootstrap CI over prompts,
 and how many greedy outputs the two copies disagree on (near ties: the layers'
 one-row calls may round differently).
+
+``--compare draft`` keeps one target (fp32, fused oneDNN layers) and loads the
+distilled draft twice instead: in bf16 on torch's layers (as the race runs it
+by default) and on oneDNN's fused linear (``--draft-linear onednn``). Fixed
+gamma 2 and the stop rule on both drafts; greedy outputs must be the same (the
+target's own, whatever the draft proposes).
 """
 
 from __future__ import annotations
@@ -33,31 +40,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--stop-rule", default="exported/smollm2-stop.json")
     ap.add_argument("--costs", default=None, help="a calibration (speckv-calibrate) to price the stop rule with")
+    ap.add_argument("--compare", choices=("target", "draft"), default="target", help="which model's layers to compare")
     args = ap.parse_args(argv)
 
     import torch
 
     from speckv_policy.hf import attach
     from speckv_policy.hf.models import draft_precision
-    from speckv_policy.hf.onednn import use_onednn_linear
+    from speckv_policy.hf.onednn import ONEDNN_DTYPES, apply_linear_backend, use_onednn_linear
     from speckv_policy.prompts import encode_prompt, read_prompts
     from speckv_policy.smollm2.models import load_model, load_tokenizer
 
     warnings.filterwarnings("ignore")
     tok = load_tokenizer("smollm2")
-    targets = {}
-    for way, fused in (("fused", True), ("converted", False)):
-        targets[way] = load_model("smollm2", "fp32")
-        use_onednn_linear(targets[way], fused=fused)
-    draft = load_model("datasets/smollm2/draft", draft_precision("cpu"))
+    pairs = {}  # way -> (target, draft)
+    if args.compare == "target":
+        draft = load_model("datasets/smollm2/draft", draft_precision("cpu"))
+        for way, fused in (("fused", True), ("converted", False)):
+            target = load_model("smollm2", "fp32")
+            use_onednn_linear(target, fused=fused)
+            pairs[way] = (target, draft)
+    else:
+        target = load_model("smollm2", "fp32")
+        use_onednn_linear(target)
+        for way in ("onednn", "torch"):
+            draft = load_model("datasets/smollm2/draft", draft_precision("cpu"))
+            apply_linear_backend(draft, way.replace("torch", "default"), dtypes=ONEDNN_DTYPES)
+            pairs[way] = (target, draft)
+    a_way, b_way = pairs
     held = [p for p in read_prompts(args.prompts) if p.split == "heldout"]
     picked = []
     for task in sorted({p.task_type for p in held}):
         picked += [p for p in held if p.task_type == task][: args.per_task]
     costs = args.costs or "live"
-    arms = ("target", "fixed-2", "stop")
+    arms = ("target", "fixed-2", "stop") if args.compare == "target" else ("fixed-2", "stop")
 
-    def run(arm: str, target, ids) -> tuple[float, list[int]]:
+    def run(arm: str, target, draft, ids) -> tuple[float, list[int]]:
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
         handle = None
         if arm == "fixed-2":
@@ -77,29 +95,34 @@ def main(argv: list[str] | None = None) -> int:
         new = out[0, ids.shape[1] :].tolist()
         return seconds * 1000 / max(len(new), 1), new
 
-    ms = {(arm, way): [] for arm in arms for way in targets}
+    ms = {(arm, way): [] for arm in arms for way in pairs}
     differ = {arm: 0 for arm in arms}
     t_start = time.perf_counter()
     for i, prompt in enumerate(picked):
         ids = torch.tensor([encode_prompt(prompt, tok)])
-        order = list(targets) if i % 2 == 0 else list(targets)[::-1]
+        order = list(pairs) if i % 2 == 0 else list(pairs)[::-1]
         for arm in arms:
             outs = {}
             for way in order:
                 ms[(arm, way)].append(0.0)
-                ms[(arm, way)][-1], outs[way] = run(arm, targets[way], ids)
-            differ[arm] += outs["fused"] != outs["converted"]
+                ms[(arm, way)][-1], outs[way] = run(arm, *pairs[way], ids)
+            differ[arm] += outs[a_way] != outs[b_way]
     minutes = (time.perf_counter() - t_start) / 60
+    what = (
+        "SmolLM2-135M fp32 on oneDNN, fused vs converted layers"
+        if args.compare == "target"
+        else "SmolLM2-135M fp32 (fused oneDNN layers) with the bf16 draft on oneDNN's fused linear vs torch's layers"
+    )
     print(
-        f"SmolLM2-135M fp32 on oneDNN, fused vs converted layers, one process; {len(picked)} held-out prompts, "
+        f"{what}, one process; {len(picked)} held-out prompts, "
         f"{args.max_new_tokens} new tokens, greedy, the copies' order alternating; stop rule priced "
         f"{'with ' + args.costs if args.costs else 'live'}; {minutes:.1f} min\n"
     )
-    print("| arm | fused ms/token | converted ms/token | fused / converted [95% CI] | outputs that differ |")
+    print(f"| arm | {a_way} ms/token | {b_way} ms/token | {a_way} / {b_way} [95% CI] | outputs that differ |")
     print("|---|---:|---:|---|---:|")
     rng = np.random.default_rng(0)
     for arm in arms:
-        f, c = np.asarray(ms[(arm, "fused")]), np.asarray(ms[(arm, "converted")])
+        f, c = np.asarray(ms[(arm, a_way)]), np.asarray(ms[(arm, b_way)])
         r = f / c
         boot = [np.median(rng.choice(r, r.size)) for _ in range(2000)]
         lo, hi = np.percentile(boot, [2.5, 97.5])

@@ -140,14 +140,16 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     assert run_e2e(["--render", str(d / "e2e.json"), "--plot", str(d / "e2e.png"), "--doc", str(doc)]) == 0
     assert doc.read_text() == before
     # a second run replaces the section instead of appending another; this one runs the target's linear layers on
-    # oneDNN (every arm, the target alone included) and still reproduces the (converted) target's greedy output
-    arms = ["--arms", "fixed-4,gbt-upfront", "--target-linear", "onednn"]
+    # oneDNN (every arm, the target alone included), the draft's too, and still reproduces the (converted) target's
+    # greedy output
+    arms = ["--arms", "fixed-4,gbt-upfront", "--target-linear", "onednn", "--draft-linear", "onednn"]
     assert run_e2e(args[:-2] + ["--doc", str(doc), *arms]) == 0
     text = doc.read_text()
     assert text.count(race.BEGIN) == 1 and "hf-heuristic" not in text
-    assert "(float32 linear layers on onednn)" in text
+    assert "(float32 linear layers on onednn)" in text and "linear layers on onednn;" in text
     res = json.loads((d / "e2e.json").read_text())
-    assert res["config"]["target_linear"] == "onednn" and res["mismatches"] == []
+    assert res["config"]["target_linear"] == "onednn" and res["config"]["draft_linear"] == "onednn"
+    assert res["mismatches"] == []
 
 
 def test_adaedl_rule():

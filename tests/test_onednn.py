@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from speckv_policy.hf import attach, onednn
 from speckv_policy.hf.onednn import (
     LINEAR_BACKENDS,
+    ONEDNN_DTYPES,
     OneDNNLinear,
     apply_linear_backend,
     fused_linear_available,
@@ -34,7 +35,7 @@ def test_onednn_linear_computes_what_the_layer_computes(fused, bias, shape, monk
     if fused:
         assert fused_linear_available(), "this torch build should run oneDNN's fused linear"
     else:  # a build without the fused op: the same weights through layout conversions
-        monkeypatch.setattr(onednn, "fused_linear_available", lambda: False)
+        monkeypatch.setattr(onednn, "fused_linear_available", lambda dtype=torch.float32: False)
     torch.manual_seed(0)
     lin = torch.nn.Linear(24, 40, bias=bias)
     fast = OneDNNLinear(lin)
@@ -77,20 +78,58 @@ class _QuantizedLike(torch.nn.Linear):
     """Stands in for bitsandbytes' layers (subclasses of nn.Linear with their own forward)."""
 
 
-def test_only_plain_float32_cpu_linears_are_swapped():
+def test_only_plain_cpu_linears_of_the_dtypes_asked_for_are_swapped():
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 8),
         torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 8)),
         torch.nn.Linear(8, 8).to(torch.bfloat16),
         _QuantizedLike(8, 8),
+        torch.nn.Linear(8, 8).to(torch.float16),
     )
-    assert use_onednn_linear(model) == 2
+    assert use_onednn_linear(model) == 2  # float32 by default
     assert isinstance(model[0], OneDNNLinear) and isinstance(model[1][1], OneDNNLinear)
     assert type(model[2]) is torch.nn.Linear and type(model[3]) is _QuantizedLike
     assert use_onednn_linear(model) == 0  # nothing left to convert
     assert apply_linear_backend(model, "default") == 0
     with pytest.warns(UserWarning, match="no float32 nn.Linear on CPU to convert"):
         assert apply_linear_backend(model, "onednn") == 0
+    assert apply_linear_backend(model, "onednn", dtypes=ONEDNN_DTYPES) == 1  # the bf16 layer (a bf16 draft's)
+    assert isinstance(model[2], OneDNNLinear) and model[2].fused and type(model[4]) is torch.nn.Linear
+    with pytest.raises(ValueError, match=r"dtypes \[torch.float16\] cannot run on oneDNN here"):
+        use_onednn_linear(model, dtypes=(torch.float16,))
+
+
+def test_a_bf16_layer_runs_fused_and_computes_what_the_layer_computes(monkeypatch):
+    assert fused_linear_available(torch.bfloat16), "this torch build should run oneDNN's fused linear in bf16"
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    fast = OneDNNLinear(lin)
+    assert fast.fused
+    x = torch.randn(1, 5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        got, want = fast(x), lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)  # bf16 rounding, another order
+    with pytest.raises(ValueError, match="fused=False is for float32"):
+        OneDNNLinear(lin, fused=False)
+    monkeypatch.setattr(onednn, "fused_linear_available", lambda dtype=torch.float32: dtype == torch.float32)
+    with pytest.raises(RuntimeError, match="cannot run oneDNN's fused linear in torch.bfloat16"):
+        OneDNNLinear(lin)
+    with pytest.raises(RuntimeError, match="cannot run oneDNN's fused linear in torch.bfloat16"):
+        use_onednn_linear(torch.nn.Sequential(lin), dtypes=ONEDNN_DTYPES)
+
+
+def test_a_draft_on_onednn_keeps_speculation_lossless(converted_pair):
+    """A bf16 draft on oneDNN's fused linear proposes other tokens at most; the output stays the target's."""
+    target, _, _ = converted_pair
+    _, draft = tiny_llama_pair(seed=0)
+    draft = draft.to(torch.bfloat16)
+    assert apply_linear_backend(draft, "onednn", dtypes=ONEDNN_DTYPES) > 0
+    ids = torch.tensor([[3, 17, 8, 41, 5]])
+    ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+    with attach(target, _cycle([1, 4, 0, 3]), mode="upfront", feature_set="online", compression="fp32") as h:
+        out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref) and sum(s.drafted for s in h.stats) > 0
 
 
 def test_clear_errors():
@@ -98,18 +137,18 @@ def test_clear_errors():
         apply_linear_backend(torch.nn.Linear(2, 2), "mkl")
     with pytest.raises(TypeError, match="plain torch.nn.Linear, got _QuantizedLike"):
         OneDNNLinear(_QuantizedLike(2, 2))
-    with pytest.raises(ValueError, match="float32 weight on CPU, got torch.bfloat16"):
-        OneDNNLinear(torch.nn.Linear(2, 2).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16 weight on CPU, got torch.float16"):
+        OneDNNLinear(torch.nn.Linear(2, 2).to(torch.float16))
 
 
 def test_the_way_can_be_chosen(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     assert use_onednn_linear(model, fused=False) == 2 and not model[0].fused and not model[1].fused
     assert OneDNNLinear(torch.nn.Linear(8, 8), fused=True).fused
-    monkeypatch.setattr(onednn, "fused_linear_available", lambda: False)
-    with pytest.raises(RuntimeError, match="fused=True, but this torch build cannot run oneDNN's fused linear"):
+    monkeypatch.setattr(onednn, "fused_linear_available", lambda dtype=torch.float32: False)
+    with pytest.raises(RuntimeError, match="cannot run oneDNN's fused linear in torch.float32"):
         OneDNNLinear(torch.nn.Linear(8, 8), fused=True)
-    with pytest.raises(RuntimeError, match="fused=True, but this torch build cannot"):
+    with pytest.raises(RuntimeError, match="cannot run oneDNN's fused linear in torch.float32"):
         use_onednn_linear(torch.nn.Linear(8, 8), fused=True)
 
 

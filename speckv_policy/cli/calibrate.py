@@ -12,6 +12,7 @@ import time
 
 from ..objective import COMPRESSION_NAMES_BY_CODE
 from .common import (
+    add_draft_linear_argument,
     add_draft_precision_argument,
     add_target_linear_argument,
     exit_cleanly_on_sigterm,
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     add_draft_precision_argument(p)
     add_target_linear_argument(p)
+    add_draft_linear_argument(p)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     exit_cleanly_on_sigterm()
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             draft_precision=args.draft_precision,
             target_linear=args.target_linear,
+            draft_linear=args.draft_linear,
         )
         cost, steps = calibrate(cfg, prompts, models=SMOLLM2_MODELS, progress=progress)
         print(file=sys.stderr)

@@ -44,6 +44,17 @@ def add_draft_precision_argument(parser: argparse.ArgumentParser) -> None:
 TARGET_LINEAR_CHOICES = ("default", "onednn")
 
 
+def add_draft_linear_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--draft-linear`` (default ``default``) to a command that drafts."""
+    parser.add_argument(
+        "--draft-linear",
+        choices=TARGET_LINEAR_CHOICES,
+        default="default",
+        help="the draft's bf16 / float32 linear layers on CPU: torch's own (default) or oneDNN's fused linear "
+        "(onednn: each draft token costs less; docs/onednn.md)",
+    )
+
+
 def add_target_linear_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--target-linear`` (default ``default``) to a command that loads the target."""
     parser.add_argument(

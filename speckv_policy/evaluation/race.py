@@ -490,6 +490,8 @@ def markdown(result: dict[str, Any]) -> str:
     precision = f" in {cfg['draft_precision']}" if cfg.get("draft_precision") else ""  # runs before it did not say
     linear = cfg.get("target_linear", "default")
     target_linear = f" (float32 linear layers on {linear})" if linear != "default" else ""
+    if cfg.get("draft_linear", "default") != "default":
+        precision += f", linear layers on {cfg['draft_linear']}"
     lines = [
         BEGIN,
         "",

@@ -26,7 +26,7 @@ from ..objective import CostModel
 from ..prompts import Prompt, encode_prompt
 from .hook import attach
 from .models import LOCAL_MODELS, ModelSource, draft_precision
-from .onednn import apply_linear_backend
+from .onednn import ONEDNN_DTYPES, apply_linear_backend
 
 #: Steps timed per gamma and level before a calibration stops (it runs past its budget, up to 4x, to get them).
 MIN_PER_GAMMA = 3
@@ -46,6 +46,7 @@ class CalibrationConfig:
     seed: int = 0
     draft_precision: str = "auto"
     target_linear: str = "default"
+    draft_linear: str = "default"
 
 
 def _gamma_cycle(gamma_max: int, rng: np.random.Generator) -> Callable[[int], int]:
@@ -108,6 +109,7 @@ def calibrate(
     tok = models.load_tokenizer(cfg.target)
     pad = getattr(tok, "eos_token_id", None)
     draft = models.load_model(cfg.draft, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
+    apply_linear_backend(draft, cfg.draft_linear, dtypes=ONEDNN_DTYPES)
     draft.generation_config.pad_token_id = None
     encoded = [torch.tensor([encode_prompt(p, tok)], device=cfg.device) for p in prompts]
     budget = cfg.seconds / len(cfg.compressions)

@@ -41,6 +41,7 @@ __all__ = [
     "LINEAR_BACKENDS",
     "OneDNNLinear",
     "apply_linear_backend",
+    "ONEDNN_DTYPES",
     "fused_linear_available",
     "onednn_available",
     "use_onednn_linear",
@@ -55,39 +56,48 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available())
 
 
+#: Weight dtypes a :class:`OneDNNLinear` takes: float32 (fused or through conversions) and bfloat16 (fused only).
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
 @functools.cache
-def fused_linear_available() -> bool:
-    """Whether oneDNN's fused linear runs here and computes what ``torch.nn.functional.linear`` does (checked once).
+def fused_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's fused linear runs here in ``dtype`` and computes what ``torch.nn.functional.linear`` does.
 
     It is an operator of torch's CPU build (``torch.ops.mkldnn._linear_pointwise``),
     not a documented API: a build that lacks it, or where it disagrees on a
-    small check, runs :class:`OneDNNLinear` through layout conversions instead.
+    small check (made once per dtype), runs a float32 :class:`OneDNNLinear`
+    through layout conversions instead and leaves bfloat16 layers to torch.
     """
-    if not onednn_available():
+    if not onednn_available() or dtype not in ONEDNN_DTYPES:
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        w, b, x = (torch.randn(*shape, generator=gen) for shape in ((24, 16), (24,), (2, 3, 16)))
+        w, b, x = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((24, 16), (24,), (2, 3, 16)))
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-        return bool(got.shape == (2, 3, 24) and torch.allclose(got, x @ w.T + b, rtol=1e-4, atol=1e-4))
+            want = torch.nn.functional.linear(x, w, b)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        return bool(got.shape == (2, 3, 24) and got.dtype == dtype and torch.allclose(got, want, rtol=tol, atol=tol))
     except (AttributeError, RuntimeError, TypeError):
         return False
 
 
 class OneDNNLinear(torch.nn.Module):
-    """A float32 ``nn.Linear`` whose weight is pre-packed for oneDNN; inference only.
+    """A float32 or bfloat16 ``nn.Linear`` whose weight is pre-packed for oneDNN; inference only.
 
     Parameters
     ----------
     linear : torch.nn.Linear
-        A plain linear layer with a float32 weight on CPU. Its weight (and bias)
-        are copied into oneDNN's layout; the layer itself is not modified.
+        A plain linear layer with a float32 or bfloat16 weight on CPU. Its
+        weight (and bias) are copied into oneDNN's layout; the layer itself is
+        not modified.
     fused : bool or None, default=None
         Run oneDNN's fused linear (``True``) or convert the activations to and
         from oneDNN's layout around the call (``False``, the slower way, kept for
-        comparison); ``None``: fused where :func:`fused_linear_available`.
+        comparison; float32 only); ``None``: fused where
+        :func:`fused_linear_available` for the weight's dtype.
 
     Attributes
     ----------
@@ -100,16 +110,18 @@ class OneDNNLinear(torch.nn.Module):
         if type(linear) is not torch.nn.Linear:
             raise TypeError(f"OneDNNLinear converts a plain torch.nn.Linear, got {type(linear).__name__}")
         w = linear.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32:
-            raise ValueError(f"OneDNNLinear needs a float32 weight on CPU, got {w.dtype} on {w.device}")
+        if w.device.type != "cpu" or w.dtype not in ONEDNN_DTYPES:
+            raise ValueError(f"OneDNNLinear needs a float32 or bfloat16 weight on CPU, got {w.dtype} on {w.device}")
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        if fused and not fused_linear_available():
-            raise RuntimeError("fused=True, but this torch build cannot run oneDNN's fused linear")
+        if (fused or w.dtype != torch.float32) and not fused_linear_available(w.dtype):
+            raise RuntimeError(f"this torch build cannot run oneDNN's fused linear in {w.dtype}")
+        if fused is False and w.dtype != torch.float32:
+            raise ValueError("a bfloat16 layer runs on oneDNN's fused linear only (fused=False is for float32)")
         #: whether the layer runs oneDNN's fused linear (else the same weights through layout conversions)
-        self.fused = fused_linear_available() if fused is None else bool(fused)
+        self.fused = fused_linear_available(w.dtype) if fused is None else bool(fused)
         with torch.no_grad():  # plain attributes, not buffers: state_dict() and .to() never see oneDNN tensors
             weight = w.detach()
             # one packed copy: the fused op's reordered weight also serves the conversions' path
@@ -133,7 +145,7 @@ class OneDNNLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, backend=onednn ({way})"
 
 
-def use_onednn_linear(model: Any, fused: bool | None = None) -> int:
+def use_onednn_linear(model: Any, fused: bool | None = None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
     """Swap every plain float32 CPU ``nn.Linear`` of ``model`` for :class:`OneDNNLinear`, in place.
 
     Parameters
@@ -144,6 +156,9 @@ def use_onednn_linear(model: Any, fused: bool | None = None) -> int:
         embedding matrix) are copied, so the head's weight is held twice.
     fused : bool or None, default=None
         As :class:`OneDNNLinear`'s (``None``: oneDNN's fused linear where it runs).
+    dtypes : tuple of torch.dtype, default=(torch.float32,)
+        The weight dtypes to convert: float32 and/or bfloat16 (a bf16 draft:
+        ``dtypes=(torch.bfloat16,)``, fused linear only).
 
     Returns
     -------
@@ -158,36 +173,38 @@ def use_onednn_linear(model: Any, fused: bool | None = None) -> int:
     """
     if not onednn_available():
         raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
-    if fused and not fused_linear_available():
-        raise RuntimeError("fused=True, but this torch build cannot run oneDNN's fused linear")
+    unknown = [d for d in dtypes if d not in ONEDNN_DTYPES]
+    if unknown:
+        raise ValueError(f"dtypes {unknown} cannot run on oneDNN here; expected float32 and/or bfloat16")
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if (
-                type(child) is torch.nn.Linear
-                and child.weight.device.type == "cpu"
-                and child.weight.dtype == torch.float32
-            ):
+            if type(child) is torch.nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
                 swaps.append((parent, name, child))
+    for d in {child.weight.dtype for _, _, child in swaps} | ({torch.float32} if fused else set()):
+        if (fused or d != torch.float32) and not fused_linear_available(d):
+            raise RuntimeError(f"this torch build cannot run oneDNN's fused linear in {d}")
     for parent, name, child in swaps:
         setattr(parent, name, OneDNNLinear(child, fused=fused))
     return len(swaps)
 
 
-def apply_linear_backend(model: Any, backend: str) -> int:
+def apply_linear_backend(model: Any, backend: str, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
     """Run ``model``'s linear layers on ``backend`` (:data:`LINEAR_BACKENDS`); returns how many layers were swapped.
 
-    ``"default"`` leaves the model as loaded (0); ``"onednn"`` is :func:`use_onednn_linear`,
-    with a warning when it finds nothing to convert (a model on CUDA, or in bf16).
+    ``"default"`` leaves the model as loaded (0); ``"onednn"`` is :func:`use_onednn_linear`
+    for the layers of ``dtypes``, with a warning when it finds nothing to convert
+    (a model on CUDA, or in another dtype).
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {backend!r}; expected one of {', '.join(LINEAR_BACKENDS)}")
     if backend == "default":
         return 0
-    swapped = use_onednn_linear(model)
+    swapped = use_onednn_linear(model, dtypes=dtypes)
     if swapped == 0:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         warnings.warn(
-            "linear backend 'onednn': the model has no float32 nn.Linear on CPU to convert; it runs as loaded",
+            f"linear backend 'onednn': the model has no {names} nn.Linear on CPU to convert; it runs as loaded",
             stacklevel=2,
         )
     return swapped

@@ -24,7 +24,7 @@ from ..prompts import Prompt, encode_prompt
 from .hook import attach
 from .live_costs import LiveCosts
 from .models import LOCAL_MODELS, ModelSource, draft_precision
-from .onednn import apply_linear_backend
+from .onednn import ONEDNN_DTYPES, apply_linear_backend
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class RaceConfig:
     seed: int = 0
     draft_precision: str = "auto"
     target_linear: str = "default"
+    draft_linear: str = "default"
 
 
 def run_once(
@@ -195,6 +196,7 @@ def run_race(
     tok = models.load_tokenizer(cfg.target)
     pad = getattr(tok, "eos_token_id", None)
     draft = models.load_model(cfg.draft, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
+    apply_linear_backend(draft, cfg.draft_linear, dtypes=ONEDNN_DTYPES)
     draft.generation_config.pad_token_id = None
     on_cuda = cfg.device.startswith("cuda")
 
@@ -261,6 +263,7 @@ def run_race(
             "draft": models.model_id(cfg.draft),
             "draft_precision": draft_precision(cfg.device, cfg.draft_precision),
             "target_linear": cfg.target_linear,
+            "draft_linear": cfg.draft_linear,
             "prompts": len(prompts),
             "max_new_tokens": cfg.max_new_tokens,
             "repeats": cfg.repeats,
