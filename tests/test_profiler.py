@@ -130,7 +130,19 @@ def test_profile_with_the_targets_linear_layers_on_onednn(setup, tmp_path):
     profiler.profile(cfg, read_prompts(d / "prompts.jsonl")[:2], progress=False)
     log = read_log(out)
     assert len(log) > 0 and set(log["compression"]) == {"fp32"}
-    assert json.loads(read_log_metadata(out)["profile_settings"])["target_linear"] == "onednn"
+    settings = json.loads(read_log_metadata(out)["profile_settings"])
+    assert settings["target_linear"] == "onednn" and "draft_linear" not in settings  # the default is not recorded
+    # the draft's layers on oneDNN too: recorded, and a resume with other draft layers is refused
+    out2 = tmp_path / "onednn-draft.parquet"
+    both = dict(compressions=("fp32",), decodings=("greedy",), target_linear="onednn")
+    profiler.profile(
+        _cfg(d, target, draft, out2, draft_linear="onednn", **both),
+        read_prompts(d / "prompts.jsonl")[:2],
+        progress=False,
+    )
+    assert json.loads(read_log_metadata(out2)["profile_settings"])["draft_linear"] == "onednn"
+    with pytest.raises(ValueError, match="draft_linear: 'onednn' in the log, None now"):
+        profiler.profile(_cfg(d, target, draft, out2, **both), read_prompts(d / "prompts.jsonl")[:3], progress=False)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from ..logs import LogValidationError
 from ..prompts import PromptFileError, read_prompts
 from ..smollm2.models import SMOLLM2_MODELS
 from .common import (
+    add_draft_linear_argument,
     add_draft_precision_argument,
     add_target_linear_argument,
     exit_cleanly_on_sigterm,
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     add_draft_precision_argument(p)
     add_target_linear_argument(p)
+    add_draft_linear_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="profile", help="prefix of run ids")
     p.add_argument("--limit", type=int_at_least(1), help="profile only the first N prompts")
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             tag=args.tag,
             draft_precision=args.draft_precision,
             target_linear=args.target_linear,
+            draft_linear=args.draft_linear,
         )
         for d in cfg.decodings:
             if d not in ("greedy", "sampling"):

@@ -21,7 +21,7 @@ import numpy as np
 from ..logs import logged_units, read_log_metadata
 from ..prompts import Prompt, encode_prompt
 from .models import LOCAL_MODELS, ModelSource, draft_precision
-from .onednn import apply_linear_backend
+from .onednn import ONEDNN_DTYPES, apply_linear_backend
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class ProfileConfig:
     tag: str = "profile"
     draft_precision: str = "auto"
     target_linear: str = "default"
+    draft_linear: str = "default"
 
 
 def profile_settings(cfg: ProfileConfig) -> str:
@@ -56,8 +57,9 @@ def profile_settings(cfg: ProfileConfig) -> str:
     for k in ("out", "tag", "compressions", "decodings", "fixed_gammas"):
         d.pop(k)
     d["draft_precision"] = draft_precision(cfg.device, cfg.draft_precision)  # what ran, not "auto"
-    if cfg.target_linear == "default":
-        d.pop("target_linear")  # logs written before the option existed resume unchanged
+    for option in ("target_linear", "draft_linear"):
+        if d[option] == "default":
+            d.pop(option)  # logs written before the option existed resume unchanged
     return json.dumps(d, sort_keys=True)
 
 
@@ -132,6 +134,7 @@ class UnitProfiler:
         self.models = models
         self.tokenizer = models.load_tokenizer(cfg.target)
         self.draft = models.load_model(cfg.draft, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
+        apply_linear_backend(self.draft, cfg.draft_linear, dtypes=ONEDNN_DTYPES)
         self.draft.generation_config.pad_token_id = None
         self.ids = (models.model_id(cfg.target), models.model_id(cfg.draft))
         self._loaded: tuple[str, Any] | None = None
