@@ -13,8 +13,8 @@ Each layer runs oneDNN's fused linear (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own CPU compiler emits for a linear layer, on a weight reordered
 once by ``torch.ops.mkldnn._reorder_linear_weight``): it reads and writes plain
 tensors, so no activation is converted to oneDNN's layout and back around every
-layer (those two conversions cost ~60 us per layer here, about a third of a
-SmolLM2 forward). A torch build without that op, or a call that needs autograd,
+layer (those two conversions cost ~40-70 us per layer here, a quarter to two
+fifths of a SmolLM2 forward: ``python benchmarks/verify_cost.py --converted``). A torch build without that op, or a call that needs autograd,
 takes the conversions instead (same arithmetic, :func:`fused_linear_available`).
 
 :func:`use_onednn_linear` swaps, in place, every plain ``torch.nn.Linear`` of a
@@ -26,7 +26,9 @@ alone included: speculation with the converted target is lossless against the
 converted target's own greedy output (``tests/test_onednn.py``), as with any
 target. Quantized layers (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``,
 subclasses of ``nn.Linear``) and layers in other dtypes or on other devices are
-left alone: only float32 layers are converted (the bf16 draft keeps torch's).
+left alone: by default only float32 layers are converted; a bf16 model's layers
+(the draft's, ``--draft-linear onednn``) with ``dtypes=(torch.bfloat16,)``, on the
+fused linear only.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ import torch
 
 __all__ = [
     "LINEAR_BACKENDS",
+    "ONEDNN_DTYPES",
     "OneDNNLinear",
     "apply_linear_backend",
-    "ONEDNN_DTYPES",
     "fused_linear_available",
     "onednn_available",
     "use_onednn_linear",
@@ -146,7 +148,7 @@ class OneDNNLinear(torch.nn.Module):
 
 
 def use_onednn_linear(model: Any, fused: bool | None = None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
-    """Swap every plain float32 CPU ``nn.Linear`` of ``model`` for :class:`OneDNNLinear`, in place.
+    """Swap every plain CPU ``nn.Linear`` of ``model`` in ``dtypes`` for :class:`OneDNNLinear`, in place.
 
     Parameters
     ----------
