@@ -74,6 +74,26 @@ def _target(target_linear: str):
     return target
 
 
+#: Prompts of the in-generation timings (the first two since the in-generation rows began; --marginal all four).
+_PROMPTS = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain in two sentences why the sky is blue.",
+    "Summarize in one sentence: the committee met on Monday and agreed to postpone the vote until spring.",
+    "What is 17 times 23? Show the steps.",
+)
+
+
+def _chat_inputs(tok, prompts) -> list:
+    """Each prompt as a user turn through the chat template: ``[1, n]`` input ids."""
+    inputs = []
+    for text in prompts:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+        )
+        inputs.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return inputs
+
+
 def _in_generation(exported: str, pattern: str, report, target_linear: str = "default") -> None:
     """Decisions timed by the hook itself, between real SmolLM2-135M forward passes."""
     import warnings
@@ -92,16 +112,7 @@ def _in_generation(exported: str, pattern: str, report, target_linear: str = "de
     from speckv_policy.hf.models import draft_precision
 
     draft = load_model(str(draft_dir), draft_precision("cpu")) if draft_dir.is_dir() else None  # as the race runs it
-    prompts = [
-        "Write a Python function that checks whether a string is a palindrome.",
-        "Explain in two sentences why the sky is blue.",
-    ]
-    inputs = []
-    for text in prompts:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-        )
-        inputs.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    inputs = _chat_inputs(tok, _PROMPTS[:2])
     for path in sorted(Path(exported).glob(pattern)):
         if "paper" in path.stem:
             continue  # truncate mode drafts gamma_max first; timed the same way below would mix modes
@@ -280,18 +291,7 @@ def _marginal(exported: str, pattern: str, target_linear: str, rounds: int) -> N
     for name, model in (("target", target), ("draft", draft)):
         model.register_forward_pre_hook(lambda m, a, name=name: events.append((name, False, time.perf_counter())))
         model.register_forward_hook(lambda m, a, o, name=name: events.append((name, True, time.perf_counter())))
-    prompts = [
-        "Write a Python function that checks whether a string is a palindrome.",
-        "Explain in two sentences why the sky is blue.",
-        "Summarize in one sentence: the committee met on Monday and agreed to postpone the vote until spring.",
-        "What is 17 times 23? Show the steps.",
-    ]
-    inputs = []
-    for text in prompts:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-        )
-        inputs.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    inputs = _chat_inputs(tok, _PROMPTS)
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores; SmolLM2-135M fp32 target (linear layers: "
         f"{target_linear}), distilled draft, {len(inputs)} prompts x {rounds} rounds, 48 new tokens, greedy\n"

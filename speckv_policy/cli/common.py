@@ -61,8 +61,8 @@ def add_target_linear_argument(parser: argparse.ArgumentParser) -> None:
         "--target-linear",
         choices=TARGET_LINEAR_CHOICES,
         default="default",
-        help="the target's float32 linear layers on CPU: torch's own (default) or pre-packed for oneDNN (onednn: "
-        "multi-token verification costs less; docs/onednn.md)",
+        help="the target's float32 linear layers on CPU: torch's own (default) or oneDNN's fused linear (onednn: "
+        "every forward costs less, a multi-token verification most; docs/onednn.md)",
     )
 
 
