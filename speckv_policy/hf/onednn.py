@@ -13,8 +13,8 @@ Each layer runs oneDNN's fused linear (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own CPU compiler emits for a linear layer, on a weight reordered
 once by ``torch.ops.mkldnn._reorder_linear_weight``): it reads and writes plain
 tensors, so no activation is converted to oneDNN's layout and back around every
-layer (those two conversions cost ~40-70 us per layer here, a quarter to two
-fifths of a SmolLM2 forward: ``python benchmarks/verify_cost.py --converted``). A torch build without that op, or a call that needs autograd,
+layer (on the 2-core CPU measured, the conversions took 9-27 ms of a 37-55 ms
+SmolLM2 forward: ``python benchmarks/verify_cost.py --converted``). A torch build without that op, or a call that needs autograd,
 takes the conversions instead (same arithmetic, :func:`fused_linear_available`).
 
 :func:`use_onednn_linear` swaps, in place, every plain ``torch.nn.Linear`` of a
