@@ -110,6 +110,8 @@ def test_a_bf16_layer_runs_fused_and_computes_what_the_layer_computes(monkeypatc
         got, want = fast(x), lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)  # bf16 rounding, another order
+    x.requires_grad_(True)  # with autograd on: the conversions' way, the same values
+    torch.testing.assert_close(fast(x).detach().float(), want.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="fused=False is for float32"):
         OneDNNLinear(lin, fused=False)
     monkeypatch.setattr(onednn, "fused_linear_available", lambda dtype=torch.float32: dtype == torch.float32)
