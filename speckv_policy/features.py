@@ -323,16 +323,17 @@ class OnlineFeatureState:
         What the runtime's Python engine reads inside generation, where numpy's
         calls run cold right after a forward pass (docs/benchmarks.md).
         """
-        full = 1.0 if self.prev_gamma > 0 and self.prev_accepted == self.prev_gamma else 0.0
+        accepted, gamma, acc = self.prev_accepted, self.prev_gamma, self.ema_acc
+        # (no float() of what is a float already, ema_rate inline: each call and lookup starts cold here)
         return [
             float(self.code),
-            float(self.prev_rate),
-            float(self.ema_rate),
-            float(self.prev_accepted),
-            float(self.prev_gamma),
-            full,
+            self.prev_rate,
+            (acc + 1.0) / (acc + self.ema_rej + 2.0),  # ema_rate
+            float(accepted),
+            float(gamma),
+            1.0 if gamma > 0 and accepted == gamma else 0.0,
             math.log1p(context_len),
-            float(self.temperature),
+            self.temperature,
             float(match_len),
         ]
 

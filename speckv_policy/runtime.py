@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from array import array
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -44,6 +45,7 @@ SUPPORTED_FORMAT_VERSION = 1
 ENGINES = ("auto", "python", "onnxruntime")
 #: Rows the Python program is checked on against onnxruntime at load.
 PROGRAM_CHECK_ROWS = 512
+_TOP_CODE = N_COMPRESSION_CODES - 1
 
 
 def _first_best(candidates: list[int], values: list[float]) -> int:
@@ -346,6 +348,28 @@ class RuntimePolicy:
 
     # -- the Python engine -------------------------------------------------
     @property
+    def read_features(self) -> tuple[str, ...]:
+        """Names of the features a single decision can depend on, in feature-set order.
+
+        On the Python engine: the columns its decision programs test (checked
+        against the graph at load), plus the compression code (the prices depend
+        on it). Otherwise every feature of the set (an MLP reads them all), and
+        none for a policy that did not load. A caller may skip computing a
+        feature not named here and pass any finite value in its place: the hook
+        does so for ``context_match_len`` (a context scan per step).
+        """
+        if self.feature_set is None:
+            return ()
+        names = self.feature_set.names
+        if self._program is None:
+            return tuple(names)
+        cols = {self._code_index}
+        for program in (self._program, self._gate_program):
+            if program is not None:
+                cols.update(program.thresholds)
+        return tuple(n for j, n in enumerate(names) if j in cols)
+
+    @property
     def program(self) -> DecisionProgram | None:
         """The length head's (or only) decision program the Python engine runs; None on onnxruntime."""
         return self._program
@@ -427,11 +451,26 @@ class RuntimePolicy:
         cell_of = program.cell_of
         if memo is None or cell_of is None:
             return _first_best(program.candidates, self._program_values(program, prices, row))
-        key = cell_of(row) * N_COMPRESSION_CODES + min(max(round(row[self._code_index]), 0), N_COMPRESSION_CODES - 1)
+        key = cell_of(row) * N_COMPRESSION_CODES + min(max(round(row[self._code_index]), 0), _TOP_CODE)
         g = memo.get(key)
         if g is None:
             g = memo[key] = _first_best(program.candidates, self._program_values(program, prices, row))
         return g
+
+    def _memo_hit(self, program: DecisionProgram, memo: dict[int, int], features: Any) -> int | None:
+        """The memoised decision for a list row of finite values, else None (then the full path runs and checks).
+
+        The short path inside generation, where every line runs cold (docs/benchmarks.md): one step's list from
+        :meth:`~speckv_policy.features.OnlineFeatureState.pre_values` goes straight to its cell's decision.
+        """
+        cell_of = program.cell_of
+        if cell_of is None or type(features) is not list or len(features) != self._width:
+            return None
+        row = array("f", features).tolist()  # float32, as the graph reads it
+        total = sum(row)
+        if total - total != 0.0:  # NaN or inf: the full path raises
+            return None
+        return memo.get(cell_of(row) * N_COMPRESSION_CODES + min(max(round(row[self._code_index]), 0), _TOP_CODE))
 
     def _check_rows(self) -> np.ndarray:
         """Rows straddling every threshold the programs test (each value and the next float32 above it)."""
@@ -581,6 +620,9 @@ class RuntimePolicy:
         """
         try:
             if self._program is not None:
+                g = self._memo_hit(self._program, self._memo, features)
+                if g is not None:
+                    return g
                 return self._program_gamma(self._program, self._prices, self._row_list(features, "decide"), self._memo)
             x = self._one_row(features, "decide")
             if self._times is not None:
@@ -615,6 +657,9 @@ class RuntimePolicy:
             if self._x is not None and not self.gated:
                 raise PolicyLoadError(f"{self.path}: not a gated export (feature set {self.feature_set.name})")  # type: ignore[union-attr]
             if self._gate_program is not None:
+                g = self._memo_hit(self._gate_program, self._gate_memo, features)
+                if g is not None:
+                    return g > 0
                 row = self._row_list(features, "decide_gate")
                 return self._program_gamma(self._gate_program, self._gate_prices, row, self._gate_memo) > 0
             x = self._one_row(features, "decide_gate")

@@ -304,6 +304,32 @@ def test_a_gated_export_runs_in_the_hook_losslessly(gated_gbt, tmp_path):
         attach(target, lambda x: 1, compression="fp32", mode="gated", feature_set="gated")
 
 
+def test_the_hook_scans_the_context_only_for_a_policy_that_reads_it(synthetic, tmp_path):
+    """``context_match_len`` is computed per step where the policy's decisions can depend on it, else skipped."""
+    from speckv_policy.hf import attach
+    from speckv_policy.testing import tiny_llama_pair
+
+    X, y = training_data(synthetic[0], "pre", "train")
+    cm = CostModel.fit(synthetic[0])
+    target, draft = tiny_llama_pair(seed=0)
+    ids = torch.tensor([[1, 2, 3, 1, 2]])
+    ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+    scanned = {}
+    for kind in ("gbt", "fixed"):
+        export_onnx(make_policy(kind, feature_set="pre", cost_model=cm).fit(X, y), tmp_path / f"{kind}.onnx")
+        rt = RuntimePolicy(tmp_path / f"{kind}.onnx")
+        with attach(target, rt, compression="fp32", mode="pre") as h:
+            out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft)
+        assert torch.equal(out, ref) and h.summary()["fallbacks"] == 0
+        scanned[kind] = "context_match_len" in rt.read_features
+        assert all(np.isnan(s.context_match_len) != scanned[kind] for s in h.stats)
+    # a callable says nothing about what it reads: scanned; a profile records it whatever the policy
+    with attach(target, lambda x: 1, compression="fp32", mode="pre", feature_set="pre") as h:
+        target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    assert all(s.context_match_len >= 0 for s in h.stats)
+    assert scanned == {"gbt": True, "fixed": False}, "the check needs a policy of each kind"
+
+
 def test_a_v1_log_dataset_still_reads(tmp_path):
     """A dataset directory written before log schema v2 (parts without the signal columns) reads, signals NaN."""
     import json

@@ -118,7 +118,11 @@ def test_memoised_decisions_follow_every_price_change(name, fs, exports, synthet
     assert py.program.cell_of is not None, "a table head has cells"
 
     def decisions(rt):
-        return [rt.decide_gate(r) for r in X] if fs == "gated" else [rt.decide(r) for r in X]
+        decide = rt.decide_gate if fs == "gated" else rt.decide
+        mine = [decide(r) for r in X]
+        # a list row, as the hook passes one, takes the memo's short path: the same decisions
+        assert [decide(r.tolist()) for r in X] == mine
+        return mine
 
     def graph(cost_model=None, times=None):
         ort = RuntimePolicy(exports[name], engine="onnxruntime", cost_model=cost_model)
@@ -144,6 +148,42 @@ def test_memoised_decisions_follow_every_price_change(name, fs, exports, synthet
         times = np.full((3, len(py.candidates)), 50.0) + 0.5 * py.candidates
         py.set_step_times(times)
         assert check(graph(times=times)) != after
+
+
+@pytest.mark.parametrize("name", ["gbt", "table", "fixed", "mlp", "gbt-pre", "table-pre", "gbt-gated", "table-gated"])
+def test_features_a_policy_does_not_read_never_change_its_decisions(name, exports, synthetic):
+    """``read_features`` may leave a feature out only if no value of it changes a decision (the graph's included)."""
+    rt = RuntimePolicy(exports[name])
+    names = rt.feature_set.names
+    if rt.engine != "python":
+        assert rt.read_features == names, "without a decision program every feature counts as read"
+        return
+    assert "compression_code" in rt.read_features
+    unread = [j for j, n in enumerate(names) if n not in rt.read_features]
+    if name in ("fixed", "table", "table-pre"):
+        assert unread, "a fixed gamma or a table over a few columns reads less than the whole row"
+    X = _rows(synthetic, rt.feature_set.name)
+    Y = X.copy()
+    Y[:, unread] = np.random.default_rng(1).uniform(-5.0, 60.0, (len(X), len(unread))).astype(np.float32)
+    graph = RuntimePolicy(exports[name], engine="onnxruntime")
+    assert [rt.decide(r) for r in Y] == [rt.decide(r) for r in X]
+    assert graph.decide_batch(Y).tolist() == graph.decide_batch(X).tolist()
+    if rt.gated:
+        assert [rt.decide_gate(r) for r in Y] == [rt.decide_gate(r) for r in X]
+        assert graph.decide_gated_batch(Y)[1].tolist() == graph.decide_gated_batch(X)[1].tolist()
+
+
+def test_bad_values_in_a_list_row_are_refused_with_a_warm_memo(exports, synthetic):
+    py = RuntimePolicy(exports["table-pre"], engine="python")
+    X = _rows(synthetic, "pre")
+    for r in X:
+        py.decide(r.tolist())  # every cell these rows reach is memoised
+    for j in range(len(py.feature_set.names)):
+        for bad in (float("nan"), float("inf")):
+            row = X[0].tolist()
+            row[j] = bad
+            with pytest.raises(ValueError, match="non-finite"):
+                py.decide(row)
 
 
 def test_a_repriced_file_keeps_its_program(exports, synthetic, tmp_path):

@@ -317,6 +317,8 @@ class _Decider(_Fallback):
             g = self._fn(features)
         except Exception as exc:  # a broken policy must never break generation
             return self._fail(f"{type(exc).__name__}: {exc}"), True
+        if type(g) is int and 0 <= g <= self.max_gamma:  # the common case, checked first (it runs cold)
+            return g, False
         try:
             ok = float(g) == int(g) and 0 <= int(g) <= self.max_gamma
         except (TypeError, ValueError, OverflowError):
@@ -373,6 +375,12 @@ class _Controller:
         self._gated: Callable[[Any, float, float], Any] = gated_values if self._lists else gated_features
         self._signal_us = 0.0  # time spent on them after the last verification, charged to the next decision
         self._matcher = ContextMatcher()  # context_match_len, kept incrementally over a generation
+        # ... scanned only where it is logged, the stop rule reads it, or the policy's decisions can depend on it
+        reads = runtime.read_features if runtime is not None else None
+        self._scan_context = self.signals and (
+            record_tokens or mode == "stop" or reads is None or "context_match_len" in reads
+        )
+        self._match_len = 0  # this step's context_match_len where scanned, else 0 (a value the policy ignores)
 
     # -- sequence / step bookkeeping --------------------------------------
     def begin(self, generation_config: Any, device: torch.device) -> None:
@@ -393,8 +401,10 @@ class _Controller:
         if self.signals:
             assert self.state is not None
             t = time.perf_counter()
-            self._matcher.sync(input_ids)
-            self.current.context_match_len = float(self._matcher.match_len())
+            if self._scan_context:
+                self._matcher.sync(input_ids)
+                self._match_len = self._matcher.match_len()
+                self.current.context_match_len = float(self._match_len)
             if self.target_signals:
                 self.current.target_confidence = self.state.target_confidence
                 self.current.target_entropy = self.state.target_entropy
@@ -447,7 +457,7 @@ class _Controller:
         assert self.state is not None and self.current is not None
         cur = self.current
         pre = self.state.pre_values if self._lists else self.state.pre_features
-        return pre(cur.context_len, int(cur.context_match_len))
+        return pre(cur.context_len, self._match_len)
 
     def plan_pre(self) -> int:
         """``pre`` mode: the policy's gamma from the pre-draft signals, before any draft token."""
@@ -475,7 +485,7 @@ class _Controller:
         t = time.perf_counter()
         cur = self.current
         try:
-            pre = self.state.pre_values(cur.context_len, int(cur.context_match_len))
+            pre = self.state.pre_values(cur.context_len, self._match_len)
             opened = dec.rule.opens(self.compression, self.state.temperature, pre)
         except Exception as exc:  # a broken gate must never break generation: draft, the rule decides the rest
             dec._fail(f"{type(exc).__name__}: {exc}")
