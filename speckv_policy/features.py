@@ -116,6 +116,22 @@ def draft_token_stats_one(logits: Any) -> tuple[float, float]:
     return float(conf), float(ent)
 
 
+def draft_token_confidence_one(logits: Any) -> float:
+    """Top-1 probability of ONE next-token distribution: :func:`draft_token_stats_one`'s first value, bit for bit.
+
+    For a policy that reads no entropy (``RuntimePolicy.read_features``): one max, one subtraction, one exp and one
+    sum over the scores, about half the work, without the clamp the entropy needs (``exp`` of a score below the clamp
+    is 0 either way, so the sum and its inverse are the same float32 numbers).
+    """
+    if _is_torch(logits):
+        if logits.device.type != "cpu":
+            return draft_token_stats_one(logits)[0]
+        src = logits.detach().float().numpy()  # only read
+    else:
+        src = np.asarray(logits, dtype=np.float32)
+    return float(1.0 / np.exp(np.subtract(src, src.max(axis=-1, keepdims=True))).sum(axis=-1))
+
+
 def _own_float32(logits: Any) -> tuple[Any, np.ndarray]:
     """CPU torch scores as float32: the tensor, and a numpy copy :func:`_logit_stats` may overwrite (never the
     caller's scores)."""

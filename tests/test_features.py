@@ -6,10 +6,13 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from speckv_policy.features import (
     OnlineFeatureState,
     as_feature_matrix,
+    draft_token_confidence_one,
     draft_token_stats,
     draft_token_stats_from_logits,
     draft_token_stats_one,
@@ -133,3 +136,28 @@ def test_as_feature_matrix_errors():
     with pytest.raises(ValueError, match="unknown feature set 'foo'"):
         get_feature_set("foo")
     assert compression_code("bf16") == 0 and compression_code("nf4") == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    scores=st.lists(
+        st.one_of(
+            st.floats(-60.0, 60.0, width=32),
+            st.floats(-1e6, -150.0, width=32),  # near and far below the entropy's clamp
+            st.just(-np.inf),  # removed by top-k / top-p
+        ),
+        min_size=1,
+        max_size=64,
+    ).filter(lambda v: max(v) > -np.inf)
+)
+def test_the_confidence_alone_is_the_statistics_first_value_bit_for_bit(scores):
+    """What the hook computes for a policy that reads no entropy is the number the full statistics give."""
+    torch = pytest.importorskip("torch")
+    x = np.asarray(scores, dtype=np.float32)
+    conf = draft_token_confidence_one(x)
+    assert isinstance(conf, float) and conf == draft_token_stats_one(x)[0]
+    t = torch.tensor(x)
+    assert draft_token_confidence_one(t) == draft_token_stats_one(t)[0] == conf
+    assert torch.equal(t, torch.tensor(x))  # only read
+    low = t.bfloat16()
+    assert draft_token_confidence_one(low) == draft_token_stats_one(low)[0]

@@ -263,6 +263,47 @@ def test_onnx_and_fitted_policies(pair, fitted, tmp_path):
     assert {s.gamma for s in h.stats[:-1]} <= {2, 4, 6, 8}
 
 
+def test_a_policy_that_reads_no_entropy_decides_the_same_without_it(pair, fitted, tmp_path, monkeypatch):
+    """The hook skips a draft token's entropy where the policy does not read it; every decision stays the same."""
+    from speckv_policy.export import export_onnx
+    from speckv_policy.hf import hook
+    from speckv_policy.runtime import RuntimePolicy
+
+    full = {"calls": 0}
+    stats = hook.draft_token_stats_one
+
+    def counted(logits):
+        full["calls"] += 1
+        return stats(logits)
+
+    monkeypatch.setattr(hook, "draft_token_stats_one", counted)
+
+    target, draft = pair
+    export_onnx(fitted["table"], tmp_path / "t.onnx")
+    rt = RuntimePolicy(tmp_path / "t.onnx")
+    assert "conf_first" in rt.read_features and "entropy_first" not in rt.read_features
+    entropies = []
+
+    def told_everything(features):  # the same export behind a callable: the hook cannot know what it reads
+        entropies.append(float(features[1]))
+        return rt.decide(features)
+
+    for mode in ("upfront", "per-token"):
+        for prompt in ([[1, 2, 3]], [[5, 9, 5, 9, 5]]):
+            ids = torch.tensor(prompt)
+            runs, calls = [], []
+            for policy in (rt, told_everything):
+                before = full["calls"]
+                with attach(target, policy, compression="fp32", mode=mode, feature_set="online") as h:
+                    out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+                assert torch.equal(out, _greedy(target, ids, 30))
+                runs.append([(s.gamma, s.drafted) for s in h.stats])
+                calls.append(full["calls"] - before)
+            assert runs[0] == runs[1]
+            assert calls[0] == 0 < calls[1], "the full statistics run only for the callable"
+    assert entropies and max(entropies) > 0, "the callable was handed real entropies"
+
+
 def test_corrupt_onnx_file_generation_still_runs(pair, tmp_path):
     target, draft = pair
     bad = tmp_path / "bad.onnx"

@@ -71,6 +71,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from ..features import (
     ContextMatcher,
     OnlineFeatureState,
+    draft_token_confidence_one,
     draft_token_stats_from_logits,
     draft_token_stats_one,
     gated_features,
@@ -328,6 +329,11 @@ class _Decider(_Fallback):
         return int(g), False
 
 
+def _confidence_and_no_entropy(logits: torch.Tensor) -> tuple[float, float]:
+    """A draft token's top-1 probability and 0.0 for its entropy: for a policy whose decisions do not read it."""
+    return draft_token_confidence_one(logits), 0.0
+
+
 class _Controller:
     """Per-``attach`` decision logic and statistics, shared by every generate call."""
 
@@ -381,6 +387,10 @@ class _Controller:
             record_tokens or mode == "stop" or reads is None or "context_match_len" in reads
         )
         self._match_len = 0  # this step's context_match_len where scanned, else 0 (a value the policy ignores)
+        # a draft token's entropy, only where the policy reads it (else its top-1 probability alone: half the work)
+        self._token_stats = (
+            draft_token_stats_one if reads is None or "entropy_first" in reads else _confidence_and_no_entropy
+        )
 
     # -- sequence / step bookkeeping --------------------------------------
     def begin(self, generation_config: Any, device: torch.device) -> None:
@@ -506,7 +516,7 @@ class _Controller:
         t = time.perf_counter()
         if self.mode == "upfront":
             if k == 1:
-                conf, ent = draft_token_stats_one(logits)
+                conf, ent = self._token_stats(logits)
                 self._plan = self._decide(self.state.features(conf, ent, context_len), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
@@ -515,12 +525,12 @@ class _Controller:
         if self.mode == "gated":  # the gate opened: the length head reads the probe token
             if k == 1:
                 assert self._pre_row is not None
-                conf, ent = draft_token_stats_one(logits)
+                conf, ent = self._token_stats(logits)
                 self._plan = self._decide(self._gated(self._pre_row, conf, ent), t)
                 self._kept = min(self._plan, self.max_gamma)
             return k >= max(self._kept, 1)
         # per-token: would a step starting from this token's distribution draft?
-        conf, ent = draft_token_stats_one(logits)
+        conf, ent = self._token_stats(logits)
         g = self._decide(self.state.features(conf, ent, context_len), t)
         if g >= 1:
             self._kept = k
