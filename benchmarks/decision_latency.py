@@ -258,6 +258,30 @@ def _after_forward(exported: str, pattern: str, report, target_linear: str = "de
         report(name, "the same call again at once", np.asarray(again))
 
 
+#: The goal a decision inside generation is held to (p50, us; issue 12).
+GOAL_US = 50.0
+
+
+def _goal_rows(rows: list[tuple[str, str, float]], goal_us: float = GOAL_US) -> list[str]:
+    """Markdown rows: each in-generation p50 beside the same export's hot onnxruntime p50, their ratio, the goal.
+
+    ``rows`` are ``(policy, way, p50 us)`` as the report printed them; the hot reference of an export is its
+    ``onnxruntime, RuntimePolicy.decide`` row ('-' where it has none, e.g. the stop rule, which is no ONNX file).
+    """
+    hot = {name: p50 for name, way, p50 in rows if way == "onnxruntime, RuntimePolicy.decide"}
+    out = []
+    for name, way, p50 in rows:
+        if ", inside generate (" not in way:
+            continue
+        engine, what = way.split(", inside generate (", 1)
+        what = what.rsplit(")", 1)[0]
+        ref = hot.get(name)
+        hot_us, ratio = (f"{ref:.1f}", f"{p50 / ref:.1f}x") if ref else ("-", "-")
+        met = "yes" if p50 <= goal_us else "no"
+        out.append(f"| {name} | {engine} | {what} | {p50:.1f} | {hot_us} | {ratio} | {met} |")
+    return out
+
+
 def _nonforward_us(events: list[tuple[str, bool, float]]) -> list[float]:
     """Per step (target forward end to target forward end), the time outside every forward pass, in us."""
     out, last_end, inside, start = [], None, 0.0, 0.0
@@ -433,8 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| policy | way | p50 us | p99 us | mean us |")
     print("|---|---|---:|---:|---:|")
 
+    printed: list[tuple[str, str, float]] = []
+
     def report(name: str, way: str, t: np.ndarray) -> None:
         print(f"| {name} | {way} | {np.percentile(t, 50):.1f} | {np.percentile(t, 99):.1f} | {t.mean():.1f} |")
+        printed.append((name, way, float(np.percentile(t, 50))))
         sys.stdout.flush()
 
     for path in sorted(Path(args.exported).glob(args.only)):
@@ -475,6 +502,14 @@ def main(argv: list[str] | None = None) -> int:
         "Python GammaPolicy.predict (for contrast)",
         _time(lambda x: table.predict(x.reshape(1, -1)), rows["online"], min(args.n, 5000)),
     )
+    goal = _goal_rows(printed)
+    if goal:
+        print(
+            f"\nAgainst the goal (p50 <= {GOAL_US:.0f} us per decision inside generation), beside the hot onnxruntime call:\n"
+        )
+        print("| policy | engine | inside generate | p50 us | hot onnxruntime p50 us | ratio | <= goal |")
+        print("|---|---|---|---:|---:|---:|---|")
+        print("\n".join(goal))
     return 0
 
 

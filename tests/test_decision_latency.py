@@ -1,4 +1,4 @@
-"""benchmarks/decision_latency.py --marginal: its step timing and the replay it rests on."""
+"""benchmarks/decision_latency.py: the goal summary, --marginal's step timing and the replay it rests on."""
 
 from __future__ import annotations
 
@@ -58,3 +58,19 @@ def test_a_pre_policys_choices_replayed_take_the_same_forward_passes():
             hk.remove()
     assert torch.equal(a, b)
     assert passes == with_policy and with_policy.count("d") > 0 and 0 in gammas
+
+
+def test_the_goal_summary_sets_each_in_generation_figure_beside_its_hot_call():
+    rows = [
+        ("a-pre", "Python engine, RuntimePolicy.decide", 3.0),
+        ("a-pre", "onnxruntime, RuntimePolicy.decide", 20.0),
+        ("a-pre", "Python engine, inside generate (distilled draft, pre mode, us per step)", 42.0),
+        ("a-pre", "Python engine, ... of which the policy call(s)", 41.0),
+        ("a-pre", "onnxruntime, inside generate (distilled draft, pre mode, us per step)", 300.0),
+        ("stop", "Python, inside generate (distilled draft, stop mode, us per draft token)", 180.0),
+    ]
+    assert _bench()._goal_rows(rows, goal_us=50.0) == [
+        "| a-pre | Python engine | distilled draft, pre mode, us per step | 42.0 | 20.0 | 2.1x | yes |",
+        "| a-pre | onnxruntime | distilled draft, pre mode, us per step | 300.0 | 20.0 | 15.0x | no |",
+        "| stop | Python | distilled draft, stop mode, us per draft token | 180.0 | - | - | no |",
+    ]
