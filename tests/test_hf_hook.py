@@ -277,6 +277,14 @@ def test_a_policy_that_reads_no_entropy_decides_the_same_without_it(pair, fitted
         return stats(logits)
 
     monkeypatch.setattr(hook, "draft_token_stats_one", counted)
+    confidences = {"calls": 0}
+    confidence = hook.draft_token_confidence_one
+
+    def counted_confidence(logits):
+        confidences["calls"] += 1
+        return confidence(logits)
+
+    monkeypatch.setattr(hook, "draft_token_confidence_one", counted_confidence)
 
     target, draft = pair
     export_onnx(fitted["table"], tmp_path / "t.onnx")
@@ -302,6 +310,20 @@ def test_a_policy_that_reads_no_entropy_decides_the_same_without_it(pair, fitted
             assert runs[0] == runs[1]
             assert calls[0] == 0 < calls[1], "the full statistics run only for the callable"
     assert entropies and max(entropies) > 0, "the callable was handed real entropies"
+    # a policy that reads neither (a fixed gamma) gets no statistics at all, and the same steps
+    export_onnx(fitted["fixed"], tmp_path / "f.onnx")
+    fixed = RuntimePolicy(tmp_path / "f.onnx")
+    assert "conf_first" not in fixed.read_features and "entropy_first" not in fixed.read_features
+    ids, runs = torch.tensor([[1, 2, 3]]), []
+    for policy in (fixed, fixed.decide):
+        before, conf_calls = full["calls"], confidences["calls"]
+        with attach(target, policy, compression="fp32", mode="upfront", feature_set="online") as h:
+            out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
+        assert torch.equal(out, _greedy(target, ids, 30))
+        runs.append(
+            ([(s.gamma, s.drafted) for s in h.stats], full["calls"] - before, confidences["calls"] - conf_calls)
+        )
+    assert runs[0][0] == runs[1][0] and runs[0][1:] == (0, 0) and runs[1][1] > 0
 
 
 def test_corrupt_onnx_file_generation_still_runs(pair, tmp_path):

@@ -334,6 +334,11 @@ def _confidence_and_no_entropy(logits: torch.Tensor) -> tuple[float, float]:
     return draft_token_confidence_one(logits), 0.0
 
 
+def _no_token_stats(logits: torch.Tensor) -> tuple[float, float]:
+    """0.0 for a draft token's top-1 probability and entropy: for a policy whose decisions read neither."""
+    return 0.0, 0.0
+
+
 class _Controller:
     """Per-``attach`` decision logic and statistics, shared by every generate call."""
 
@@ -387,10 +392,10 @@ class _Controller:
             record_tokens or mode == "stop" or reads is None or "context_match_len" in reads
         )
         self._match_len = 0  # this step's context_match_len where scanned, else 0 (a value the policy ignores)
-        # a draft token's entropy, only where the policy reads it (else its top-1 probability alone: half the work)
-        self._token_stats = (
-            draft_token_stats_one if reads is None or "entropy_first" in reads else _confidence_and_no_entropy
-        )
+        # a draft token's statistics, only what the policy reads (its top-1 probability alone: half the work)
+        self._token_stats: Callable[[torch.Tensor], tuple[float, float]] = draft_token_stats_one
+        if reads is not None and "entropy_first" not in reads:
+            self._token_stats = _confidence_and_no_entropy if "conf_first" in reads else _no_token_stats
 
     # -- sequence / step bookkeeping --------------------------------------
     def begin(self, generation_config: Any, device: torch.device) -> None:
