@@ -263,28 +263,26 @@ def test_onnx_and_fitted_policies(pair, fitted, tmp_path):
     assert {s.gamma for s in h.stats[:-1]} <= {2, 4, 6, 8}
 
 
+def _count_calls(monkeypatch, module, name: str) -> dict[str, int]:
+    """Replace ``module.name`` by a wrapper that counts its calls in the returned dict's ``calls``."""
+    count, fn = {"calls": 0}, getattr(module, name)
+
+    def counted(*args):
+        count["calls"] += 1
+        return fn(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return count
+
+
 def test_a_policy_that_reads_no_entropy_decides_the_same_without_it(pair, fitted, tmp_path, monkeypatch):
     """The hook skips a draft token's entropy where the policy does not read it; every decision stays the same."""
     from speckv_policy.export import export_onnx
     from speckv_policy.hf import hook
     from speckv_policy.runtime import RuntimePolicy
 
-    full = {"calls": 0}
-    stats = hook.draft_token_stats_one
-
-    def counted(logits):
-        full["calls"] += 1
-        return stats(logits)
-
-    monkeypatch.setattr(hook, "draft_token_stats_one", counted)
-    confidences = {"calls": 0}
-    confidence = hook.draft_token_confidence_one
-
-    def counted_confidence(logits):
-        confidences["calls"] += 1
-        return confidence(logits)
-
-    monkeypatch.setattr(hook, "draft_token_confidence_one", counted_confidence)
+    full = _count_calls(monkeypatch, hook, "draft_token_stats_one")
+    confidences = _count_calls(monkeypatch, hook, "draft_token_confidence_one")
 
     target, draft = pair
     export_onnx(fitted["table"], tmp_path / "t.onnx")
