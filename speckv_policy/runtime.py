@@ -517,8 +517,14 @@ class RuntimePolicy:
             row = self._one_row(features, caller)[0].tolist()
         total = sum(row)
         if total - total != 0.0:  # NaN or inf somewhere (float32 values cannot sum to inf)
-            raise ValueError("non-finite feature values (NaN or inf)")
+            raise self._non_finite(row)
         return row
+
+    def _non_finite(self, row: Sequence[float]) -> ValueError:
+        """The error for a row with NaN or inf values, naming their features."""
+        names = self.feature_set.names if self.feature_set is not None else ()
+        bad = [names[j] if j < len(names) else str(j) for j, v in enumerate(row) if v - v != 0.0]
+        return ValueError(f"non-finite feature values (NaN or inf) in: {', '.join(bad)}")
 
     def _check_metadata(self) -> None:
         try:
@@ -596,7 +602,7 @@ class RuntimePolicy:
             raise PolicyLoadError(f"{self.path}: policy is not loaded ({self.load_error})")
         if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:
             if not np.isfinite(features).all():
-                raise ValueError("non-finite feature values (NaN or inf)")
+                raise self._non_finite(features.tolist())
             self._x[0] = features
         else:
             x = self._matrix(features)

@@ -178,12 +178,14 @@ def test_bad_values_in_a_list_row_are_refused_with_a_warm_memo(exports, syntheti
     X = _rows(synthetic, "pre")
     for r in X:
         py.decide(r.tolist())  # every cell these rows reach is memoised
-    for j in range(len(py.feature_set.names)):
+    for j, name in enumerate(py.feature_set.names):
         for bad in (float("nan"), float("inf")):
             row = X[0].tolist()
             row[j] = bad
-            with pytest.raises(ValueError, match="non-finite"):
+            with pytest.raises(ValueError, match=f"non-finite feature values \\(NaN or inf\\) in: {name}$"):
                 py.decide(row)
+            with pytest.raises(ValueError, match=f"in: {name}$"):  # a float32 array names it too
+                py.decide(np.asarray(row, dtype=np.float32))
 
 
 def test_a_repriced_file_keeps_its_program(exports, synthetic, tmp_path):
