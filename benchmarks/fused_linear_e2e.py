@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/fused_linear_e2e.py [--per-task 6] [--max-new-tokens 48] [--costs costs.json]
     python benchmarks/fused_linear_e2e.py --compare draft [--per-task 6] [--costs costs.json]
+    python benchmarks/fused_linear_e2e.py --compare draft-forward [--per-task 6] [--costs costs.json]
 
 Loads SmolLM2-135M in fp32 twice in one process, its linear layers on oneDNN
 both times: fused (``use_onednn_linear(target)``, the default) and converted
@@ -22,6 +23,11 @@ distilled draft twice instead: in bf16 on torch's layers (as the race runs it
 by default) and on oneDNN's fused linear (``--draft-linear onednn``). Fixed
 gamma 2 and the stop rule on both drafts; greedy outputs must be the same (the
 target's own, whatever the draft proposes).
+
+``--compare draft-forward`` keeps one target (fp32, fused oneDNN layers) and one draft (bf16, torch's layers) and
+runs the lean loop's draft forward steps two ways: through the Llama decode step
+(``attach(..., draft_forward='auto')``, the default, :class:`~speckv_policy.hf.fast_draft.LlamaDecodeStep`) and
+through the draft's own transformers forward (``draft_forward='transformers'``); fixed gamma 2 and the stop rule.
 """
 
 from __future__ import annotations
@@ -40,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--stop-rule", default="exported/smollm2-stop.json")
     ap.add_argument("--costs", default=None, help="a calibration (speckv-calibrate) to price the stop rule with")
-    ap.add_argument("--compare", choices=("target", "draft"), default="target", help="which model's layers to compare")
+    ap.add_argument(
+        "--compare",
+        choices=("target", "draft", "draft-forward"),
+        default="target",
+        help="which model's layers to compare",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -53,20 +64,26 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore")
     tok = load_tokenizer("smollm2")
-    pairs = {}  # way -> (target, draft)
+    pairs = {}  # way -> (target, draft, attach keywords)
     if args.compare == "target":
         draft = load_model("datasets/smollm2/draft", draft_precision("cpu"))
         for way, fused in (("fused", True), ("converted", False)):
             target = load_model("smollm2", "fp32")
             use_onednn_linear(target, fused=fused)
-            pairs[way] = (target, draft)
-    else:
+            pairs[way] = (target, draft, {})
+    elif args.compare == "draft":
         target = load_model("smollm2", "fp32")
         use_onednn_linear(target)
         for way in ("onednn", "torch"):
             draft = load_model("datasets/smollm2/draft", draft_precision("cpu"))
             apply_linear_backend(draft, way.replace("torch", "default"), dtypes=ONEDNN_DTYPES)
-            pairs[way] = (target, draft)
+            pairs[way] = (target, draft, {})
+    else:
+        target = load_model("smollm2", "fp32")
+        use_onednn_linear(target)
+        draft = load_model("datasets/smollm2/draft", draft_precision("cpu"))
+        pairs = {"fast": (target, draft, {"draft_forward": "auto"})}
+        pairs["transformers"] = (target, draft, {"draft_forward": "transformers"})
     a_way, b_way = pairs
     held = [p for p in read_prompts(args.prompts) if p.split == "heldout"]
     picked = []
@@ -75,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     costs = args.costs or "live"
     arms = ("target", "fixed-2", "stop") if args.compare == "target" else ("fixed-2", "stop")
 
-    def run(arm: str, target, draft, ids) -> tuple[float, list[int]]:
+    used = {}  # way -> how the hook ran the draft's forward steps
+
+    def run(arm: str, target, draft, how: dict, ids, way: str) -> tuple[float, list[int]]:
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
         handle = None
         if arm == "fixed-2":
-            handle = attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda step: 2)
+            handle = attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda step: 2, **how)
         elif arm == "stop":
-            handle = attach(target, args.stop_rule, compression="fp32", mode="stop", costs=costs)
+            handle = attach(target, args.stop_rule, compression="fp32", mode="stop", costs=costs, **how)
         if handle is not None:
             kw["assistant_model"] = draft
         try:
@@ -91,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = time.perf_counter() - t0
         finally:
             if handle is not None:
+                used[way] = handle.draft_forward
                 handle.detach()
         new = out[0, ids.shape[1] :].tolist()
         return seconds * 1000 / max(len(new), 1), new
@@ -105,14 +125,16 @@ def main(argv: list[str] | None = None) -> int:
             outs = {}
             for way in order:
                 ms[(arm, way)].append(0.0)
-                ms[(arm, way)][-1], outs[way] = run(arm, *pairs[way], ids)
+                ms[(arm, way)][-1], outs[way] = run(arm, *pairs[way], ids, way)
             differ[arm] += outs[a_way] != outs[b_way]
     minutes = (time.perf_counter() - t_start) / 60
-    what = (
-        "SmolLM2-135M fp32 on oneDNN, fused vs converted layers"
-        if args.compare == "target"
-        else "SmolLM2-135M fp32 (fused oneDNN layers) with the bf16 draft on oneDNN's fused linear vs torch's layers"
-    )
+    what = {
+        "target": "SmolLM2-135M fp32 on oneDNN, fused vs converted layers",
+        "draft": "SmolLM2-135M fp32 (fused oneDNN layers) with the bf16 draft on oneDNN's fused linear vs torch's layers",
+        "draft-forward": "SmolLM2-135M fp32 (fused oneDNN layers) with the bf16 draft, its forward steps through the "
+        f"Llama decode step vs its transformers forward (the hook ran: {used.get('fast')!r} vs "
+        f"{used.get('transformers')!r})",
+    }[args.compare]
     print(
         f"{what}, one process; {len(picked)} held-out prompts, "
         f"{args.max_new_tokens} new tokens, greedy, the copies' order alternating; stop rule priced "

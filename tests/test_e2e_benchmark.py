@@ -134,6 +134,7 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     assert text.startswith("# Benchmarks\n\nkept text") and text.count(race.BEGIN) == 1
     assert "### fp32, greedy" in text and "Every greedy run produced exactly" in text
     assert "measured first (`speckv-calibrate`" in text
+    assert res["config"]["draft_forward"] == "fast" and "forward steps through the Llama decode step" in text
     assert (d / "e2e.png").read_bytes()[:4] == b"\x89PNG"
     # re-rendering from the saved JSON reproduces the section without running anything
     before = doc.read_text()
@@ -149,6 +150,8 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     assert "(float32 linear layers on onednn)" in text and "linear layers on onednn;" in text
     res = json.loads((d / "e2e.json").read_text())
     assert res["config"]["target_linear"] == "onednn" and res["config"]["draft_linear"] == "onednn"
+    assert res["config"]["draft_forward"].startswith("transformers (layer 0 q_proj is a OneDNNLinear")
+    assert "decode step" not in text  # a draft on oneDNN layers keeps its forward
     assert res["mismatches"] == []
 
 

@@ -492,6 +492,8 @@ def markdown(result: dict[str, Any]) -> str:
     target_linear = f" (float32 linear layers on {linear})" if linear != "default" else ""
     if cfg.get("draft_linear", "default") != "default":
         precision += f", linear layers on {cfg['draft_linear']}"
+    if cfg.get("draft_forward") == "fast":  # races before the decode step existed do not say
+        precision += ", forward steps through the Llama decode step"
     lines = [
         BEGIN,
         "",

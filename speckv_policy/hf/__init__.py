@@ -8,6 +8,7 @@ Importing this package checks the installed transformers against the range the
 hook was tested on (:mod:`speckv_policy.hf._compat`).
 """
 
+from .fast_draft import LlamaDecodeStep, decode_step_blocker
 from .hook import MODES, SpeckvCandidateGenerator, SpeckvHandle, StepStats, attach, detect_compression
 from .live_costs import LiveCosts
 from .models import quiet_int8_cast_log
@@ -22,5 +23,7 @@ __all__ = [
     "StepStats",
     "MODES",
     "use_onednn_linear",
+    "LlamaDecodeStep",
+    "decode_step_blocker",
     "quiet_int8_cast_log",
 ]

@@ -84,6 +84,7 @@ from ..schema import COMPRESSIONS, GATED, ONLINE, PAPER, PRE, FeatureSet, compre
 from ..stop import StopRule, StopRuleError, StopState
 from . import _compat
 from ._compat import AssistedCandidateGenerator
+from .fast_draft import LlamaDecodeStep, decode_step_blocker
 from .lean_draft import LeanDraft
 from .live_costs import LiveCosts
 
@@ -91,6 +92,8 @@ MODES = ("upfront", "per-token", "truncate", "fixed", "pre", "gated", "stop")
 #: the modes whose draft loop asks the controller after every draft token
 _ASKS_PER_TOKEN = ("upfront", "per-token", "gated", "stop")
 DRAFT_LOOPS = ("lean", "generate")
+#: How the lean loop runs the draft's forward steps (``attach(..., draft_forward=...)``).
+DRAFT_FORWARDS = ("auto", "transformers")
 DEFAULT_MAX_GAMMA = 8
 
 
@@ -372,6 +375,8 @@ class _Controller:
         self._backoff = 0  # current back-off length
         self.draft_loop = "lean"
         self.draft_loop_used = ""
+        self.draft_forward = "auto"
+        self.draft_forward_used = ""
         # the pre-draft signals: computed when a pre decision needs them or a profile records them
         self.signals = record_tokens or mode in ("pre", "gated", "stop")
         # the target's confidence and entropy at the last verified position: logged by a profile (log schema v2),
@@ -618,6 +623,16 @@ class _Controller:
         self.step += 1
 
 
+def _decode_step(draft: Any, how: str) -> tuple[LlamaDecodeStep | None, str]:
+    """The decode step the lean loop runs ``draft`` through (None: its forward), and what ran, for the handle."""
+    if how == "transformers":
+        return None, "transformers (draft_forward='transformers')"
+    why = decode_step_blocker(draft)
+    if why is not None:
+        return None, f"transformers ({why})"
+    return LlamaDecodeStep(draft), "fast"
+
+
 class _PolicyStop(StoppingCriteria):
     """Stopping criterion that lets the controller end the draft early."""
 
@@ -653,14 +668,18 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
             why = _compat.lean_draft_blocker(self.assistant_model, self.assistant_kwargs)
             if why is None:
                 gc = self.generation_config
+                step, controller.draft_forward_used = _decode_step(self.assistant_model, controller.draft_forward)
                 self.lean = LeanDraft(
                     self.assistant_model,
                     self.logits_processor,
                     bool(gc.do_sample),
                     gc.eos_token_id,
                     self.main_model_min_length or 0,
+                    decode_step=step,
                 )
         controller.draft_loop_used = "lean" if self.lean is not None else f"generate ({why})"
+        if self.lean is None:
+            controller.draft_forward_used = "transformers (draft_loop 'generate')"
 
     def get_candidates(
         self, input_ids: torch.LongTensor, **kwargs: Any
@@ -747,6 +766,12 @@ class SpeckvHandle:
     def draft_loop(self) -> str:
         """How the last assisted ``generate`` drafted: ``'lean'``, or ``'generate (why)'``; empty before one ran."""
         return self._controller.draft_loop_used
+
+    @property
+    def draft_forward(self) -> str:
+        """How the last assisted ``generate`` ran the draft's forward steps: ``'fast'`` (a
+        :class:`~speckv_policy.hf.fast_draft.LlamaDecodeStep`) or ``'transformers (why)'``; empty before one ran."""
+        return self._controller.draft_forward_used
 
     @property
     def live_costs(self) -> LiveCosts | None:
@@ -848,6 +873,7 @@ def attach(
     probe_backoff: int = 0,
     costs: Any = None,
     draft_loop: str = "lean",
+    draft_forward: str = "auto",
 ) -> SpeckvHandle:
     """Make ``target.generate(..., assistant_model=draft)`` consult a gamma policy.
 
@@ -907,6 +933,13 @@ def attach(
         attention caches, extra draft inputs, padded masks) use
         ``'generate'``, transformers' own drafting call, which is also
         selectable. :attr:`SpeckvHandle.draft_loop` says which one ran.
+    draft_forward : {'auto', 'transformers'}, default='auto'
+        How the lean loop runs the draft's forward steps. ``'auto'``: a plain
+        Llama draft runs through
+        :class:`~speckv_policy.hf.fast_draft.LlamaDecodeStep` (the same
+        arithmetic without transformers' per-call machinery), any other
+        through its own forward; ``'transformers'``: always its own forward.
+        :attr:`SpeckvHandle.draft_forward` says which one ran.
 
     Returns
     -------
@@ -922,6 +955,8 @@ def attach(
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     if draft_loop not in DRAFT_LOOPS:
         raise ValueError(f"unknown draft_loop {draft_loop!r}; expected one of {', '.join(DRAFT_LOOPS)}")
+    if draft_forward not in DRAFT_FORWARDS:
+        raise ValueError(f"unknown draft_forward {draft_forward!r}; expected one of {', '.join(DRAFT_FORWARDS)}")
     if fallback_gamma is not None and (
         isinstance(fallback_gamma, bool) or not isinstance(fallback_gamma, (int, np.integer)) or fallback_gamma < 0
     ):
@@ -978,6 +1013,7 @@ def attach(
     controller = _Controller(decider, mode, compression, gamma_fn, record_tokens, sync_cuda)
     controller.probe_backoff = int(probe_backoff)
     controller.draft_loop = draft_loop
+    controller.draft_forward = draft_forward
     if isinstance(decider, _StopDecider):  # a stop rule was re-priced as it loaded; live costs start here
         controller.live = decider.start_live(compression)
     elif costs is not None:

@@ -77,6 +77,10 @@ class LeanDraft:
     min_length : int
         The target's ``min_length``: end-of-sequence tokens are suppressed while
         the sequence is shorter, like the draft's ``generate`` would.
+    decode_step : LlamaDecodeStep or None
+        Run the draft's forward steps through this
+        (:class:`~speckv_policy.hf.fast_draft.LlamaDecodeStep`, its own key/value
+        buffers) instead of the model's forward and a transformers cache.
     """
 
     def __init__(
@@ -86,14 +90,16 @@ class LeanDraft:
         do_sample: bool,
         eos_token_id: int | list[int] | None,
         min_length: int = 0,
+        decode_step: Any = None,
     ) -> None:
         self.model = model
+        self.step = decode_step
         self.processors = LogitsProcessorList(list(logits_processor or []))
         self.do_sample = bool(do_sample)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos = torch.tensor(eos, dtype=torch.long, device=model.device) if eos else None
         self.min_length = int(min_length or 0)
-        self.cache = _compat.new_draft_cache(model)
+        self.cache = _compat.new_draft_cache(model) if decode_step is None else None
         self.forward_kwargs: dict[str, Any] = {"use_cache": True}
         if _compat.takes_logits_to_keep(model):
             self.forward_kwargs["logits_to_keep"] = 1  # the last position's logits only
@@ -111,7 +117,10 @@ class LeanDraft:
             if diff.numel():
                 n = int(diff[0, 0])
         if n < have:
-            self.cache.crop(n - have)
+            if self.step is not None:
+                self.step.truncate(n)
+            else:
+                self.cache.crop(n - have)
             self.cached = self.cached[:n]
         return n
 
@@ -135,17 +144,24 @@ class LeanDraft:
         feed = input_ids[:, past:]
         ids = input_ids
         scores: list[torch.Tensor] = []
-        ones = torch.ones((1, start + max_new), dtype=torch.long, device=input_ids.device)
+        ones = (
+            None
+            if self.step is not None
+            else torch.ones((1, start + max_new), dtype=torch.long, device=input_ids.device)
+        )
         for k in range(1, max_new + 1):
-            out = self.model(
-                input_ids=feed,
-                attention_mask=ones[:, : ids.shape[1]],
-                **self.forward_kwargs,
-                **{self.cache_arg: self.cache},
-            )
+            if self.step is not None:
+                last = self.step(feed)
+            else:
+                last = self.model(
+                    input_ids=feed,
+                    attention_mask=ones[:, : ids.shape[1]],
+                    **self.forward_kwargs,
+                    **{self.cache_arg: self.cache},
+                ).logits
             self.forwards += 1
             self.fed += feed.shape[1]
-            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+            logits = last[:, -1].to(copy=True, dtype=torch.float32)
             s = self.processors(ids, logits) if len(self.processors) else logits
             if self.eos is not None and ids.shape[1] < self.min_length:
                 s[:, self.eos] = -float("inf")

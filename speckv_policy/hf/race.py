@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 from ..evaluation.race import HF_FIELDS, NEAR_TIE, ArmSpec, goals, summarize_runs
 from ..prompts import Prompt, encode_prompt
+from .fast_draft import decode_step_blocker
 from .hook import attach
 from .live_costs import LiveCosts
 from .models import LOCAL_MODELS, ModelSource, draft_precision
@@ -198,6 +199,8 @@ def run_race(
     draft = models.load_model(cfg.draft, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
     apply_linear_backend(draft, cfg.draft_linear, dtypes=ONEDNN_DTYPES)
     draft.generation_config.pad_token_id = None
+    why = decode_step_blocker(draft)  # the hook's draft_forward='auto' decides the same way
+    draft_forward = "fast" if why is None else f"transformers ({why})"
     on_cuda = cfg.device.startswith("cuda")
 
     def stopwatch() -> float:
@@ -264,6 +267,7 @@ def run_race(
             "draft_precision": draft_precision(cfg.device, cfg.draft_precision),
             "target_linear": cfg.target_linear,
             "draft_linear": cfg.draft_linear,
+            "draft_forward": draft_forward,
             "prompts": len(prompts),
             "max_new_tokens": cfg.max_new_tokens,
             "repeats": cfg.repeats,

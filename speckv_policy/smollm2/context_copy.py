@@ -231,17 +231,28 @@ class ContextCopyDraft(LlamaForCausalLM):
         )
         if getattr(self, "copy_a", None) is None or input_ids is None:
             return out
+        out.logits = self.speckv_decode_logits(input_ids, past, out.logits)
+        return out
+
+    def speckv_decode_logits(self, input_ids: torch.Tensor, past: int, logits: torch.Tensor) -> torch.Tensor:
+        """The kept positions' logits ``[B, kept, V]`` after feeding ``input_ids`` at cache length ``past``, mixed.
+
+        What :meth:`forward` applies to the plain model's logits (``log q'``, in their dtype; unchanged
+        without a gate). :class:`~speckv_policy.hf.fast_draft.LlamaDecodeStep` calls it the same way.
+        """
+        if getattr(self, "copy_a", None) is None:
+            return logits
         hist = self._remember(input_ids, past)
-        kept = out.logits.shape[1]
+        kept = logits.shape[1]
         first = hist.shape[1] - kept
         cand = np.empty((hist.shape[0], kept), dtype=np.int64)
         length = np.empty_like(cand)
         for row in range(hist.shape[0]):
             cand[row], length[row] = copy_candidates(hist[row], first, kept, self.copy_max_match)
-        logits = out.logits.float()
-        dev = logits.device
+        scores = logits.float()
+        dev = scores.device
         mixed = mix_log_probs(
-            logits,
+            scores,
             torch.from_numpy(cand).to(dev),
             torch.from_numpy(length).to(dev),
             self.copy_a.to(dev),
@@ -249,8 +260,7 @@ class ContextCopyDraft(LlamaForCausalLM):
             inplace=True,
             support=getattr(self.lm_head, "token_ids", None),  # a pruned head: the rest is -inf
         )
-        out.logits = mixed.to(out.logits.dtype)
-        return out
+        return mixed.to(logits.dtype)
 
 
 def fit_copy_gate(
