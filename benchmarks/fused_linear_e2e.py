@@ -15,8 +15,10 @@ cost-aware stop rule (``exported/smollm2-stop.json``; re-priced with
 each on both copies, the order of the copies alternating from prompt to prompt.
 Prints per arm the median ms per output token on each copy and the median of
 the per-prompt ratios fused / converted with a 95% bootstrap CI over prompts,
-and how many greedy outputs the two copies disagree on (near ties: the layers'
-one-row calls may round differently).
+how many greedy outputs the two copies disagree on (near ties: the layers'
+one-row calls may round differently) and on how many prompts the hooked arms'
+steps (gamma, drafted, accepted) differ (the draft proposed something else; with
+live prices, no ``--costs``, the stop rule's steps also follow the timings).
 
 ``--compare draft`` keeps one target (fp32, fused oneDNN layers) and loads the
 distilled draft twice instead: in bf16 on torch's layers (as the race runs it
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     used = {}  # way -> how the hook ran the draft's forward steps
 
-    def run(arm: str, target, draft, how: dict, ids, way: str) -> tuple[float, list[int]]:
+    def run(arm: str, target, draft, how: dict, ids, way: str) -> tuple[float, list[int], list[tuple[int, ...]]]:
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
         handle = None
         if arm == "fixed-2":
@@ -109,24 +111,28 @@ def main(argv: list[str] | None = None) -> int:
                 out = target.generate(ids, **kw)
             seconds = time.perf_counter() - t0
         finally:
+            steps = []
             if handle is not None:
                 used[way] = handle.draft_forward
+                steps = [(s.gamma, s.drafted, s.accepted) for s in handle.stats]
                 handle.detach()
         new = out[0, ids.shape[1] :].tolist()
-        return seconds * 1000 / max(len(new), 1), new
+        return seconds * 1000 / max(len(new), 1), new, steps
 
     ms = {(arm, way): [] for arm in arms for way in pairs}
     differ = {arm: 0 for arm in arms}
+    differ_steps = {arm: 0 for arm in arms}  # runs whose steps (gamma, drafted, accepted) differ between the copies
     t_start = time.perf_counter()
     for i, prompt in enumerate(picked):
         ids = torch.tensor([encode_prompt(prompt, tok)])
         order = list(pairs) if i % 2 == 0 else list(pairs)[::-1]
         for arm in arms:
-            outs = {}
+            outs, steps = {}, {}
             for way in order:
                 ms[(arm, way)].append(0.0)
-                ms[(arm, way)][-1], outs[way] = run(arm, *pairs[way], ids, way)
+                ms[(arm, way)][-1], outs[way], steps[way] = run(arm, *pairs[way], ids, way)
             differ[arm] += outs[a_way] != outs[b_way]
+            differ_steps[arm] += steps[a_way] != steps[b_way]
     minutes = (time.perf_counter() - t_start) / 60
     what = {
         "target": "SmolLM2-135M fp32 on oneDNN, fused vs converted layers",
@@ -140,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_new_tokens} new tokens, greedy, the copies' order alternating; stop rule priced "
         f"{'with ' + args.costs if args.costs else 'live'}; {minutes:.1f} min\n"
     )
-    print(f"| arm | {a_way} ms/token | {b_way} ms/token | {a_way} / {b_way} [95% CI] | outputs that differ |")
-    print("|---|---:|---:|---|---:|")
+    print(
+        f"| arm | {a_way} ms/token | {b_way} ms/token | {a_way} / {b_way} [95% CI] | outputs that differ | "
+        "step sequences that differ |"
+    )
+    print("|---|---:|---:|---|---:|---:|")
     rng = np.random.default_rng(0)
     for arm in arms:
         f, c = np.asarray(ms[(arm, a_way)]), np.asarray(ms[(arm, b_way)])
@@ -150,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = np.percentile(boot, [2.5, 97.5])
         print(
             f"| {arm} | {np.median(f):.1f} | {np.median(c):.1f} | {np.median(r):.3f} [{lo:.3f}, {hi:.3f}] | "
-            f"{differ[arm]} of {len(picked)} |"
+            f"{differ[arm]} of {len(picked)} | {differ_steps[arm]} of {len(picked)} |"
         )
     return 0
 

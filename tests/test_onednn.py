@@ -207,4 +207,5 @@ def test_fused_against_converted_end_to_end_runs_on_the_real_pair():
     rows = table_rows(out, "target", "fixed-2", "stop")
     assert [r[0] for r in rows] == ["target", "fixed-2", "stop"]
     for r in rows:
-        assert float(r[1]) > 0 and float(r[2]) > 0 and r[4].endswith("of 4")
+        assert float(r[1]) > 0 and float(r[2]) > 0 and r[4].endswith("of 4") and r[5].endswith("of 4")
+    assert rows[0][5] == "0 of 4"  # the target alone takes no steps on either copy
