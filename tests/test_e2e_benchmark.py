@@ -437,6 +437,7 @@ def test_online_offline_choices_and_accounting_on_the_shipped_race_with_steps():
         "onednn_nf4_sampling_cheap",
         "onednn_int8_sampling_cheap",
         "onednn_int8_cheap",
+        "onednn_fp32_step",
         "onednn_nf4_sampling_stop",
         "onednn_nf4_sampling_calibrated",
         "onednn_fp32_sampling_stop",
