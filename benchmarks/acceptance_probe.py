@@ -87,7 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     from speckv_policy.smollm2.draft_model import load_draft
 
     t0 = time.perf_counter()
-    corpus = torch.load(args.corpus, weights_only=True)  # tensors, lists, strings: nothing that runs
+    try:  # weights_only: tensors, lists, strings and numbers only; a pickle payload cannot run
+        corpus = torch.load(args.corpus, weights_only=True)
+    except Exception as exc:
+        raise SystemExit(f"{args.corpus}: not a speckv-distill corpus ({type(exc).__name__})") from None
+    need = ("ids", "start", "topk_ids", "topk_logp", "prompt_id", "task_type", "split", "greedy")
+    missing = [k for k in need if not isinstance(corpus, dict) or k not in corpus]
+    if missing:
+        raise SystemExit(f"{args.corpus}: not a speckv-distill corpus (missing {', '.join(missing)})")
     model = load_draft(args.draft)
     if model.copy_gate() is None:
         raise SystemExit(

@@ -152,3 +152,26 @@ def test_acceptance_probe_benchmark_scores_the_shipped_draft(tmp_path):
     temps = table_rows(out, "0.5", "0.6", "0.7", "0.8", "1")
     assert [r[0] for r in temps] == ["0.5", "0.6", "0.7", "0.8", "1"]
     assert all(0.0 < float(v) <= 1.0 for r in temps for v in r[1:])
+
+
+def test_acceptance_probe_benchmark_names_a_file_that_is_not_a_corpus(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name, write in (("junk.pt", lambda p: p.write_bytes(b"not a torch file")), ("other.pt", None)):
+        path = tmp_path / name
+        if write is None:
+            torch.save({"ids": []}, path)
+        else:
+            write(path)
+        proc = subprocess.run(
+            [sys.executable, str(root / "benchmarks" / "acceptance_probe.py"), "--corpus", str(path)],
+            capture_output=True,
+            text=True,
+            cwd=root,
+            timeout=300,
+        )
+        assert proc.returncode != 0 and f"{path}: not a speckv-distill corpus" in proc.stderr
+    assert "missing start, topk_ids" in proc.stderr

@@ -1,11 +1,10 @@
 """A decode step for Llama-architecture drafts without transformers' per-call machinery.
 
-A draft token of a small draft is mostly fixed cost. On the 2-core CPU measured,
-one token of the two-layer distilled SmolLM2 draft (bf16, 120-token context)
-takes ~2.4-2.5 ms through transformers' ``LlamaForCausalLM`` forward and ~1.6 ms
-through :class:`LlamaDecodeStep` (docs/benchmarks.md, "Lean hook"): the forward
-also builds masks and position embeddings, updates its cache object and
-dispatches seven projections per layer. The step runs the same arithmetic with
+A draft token of a small draft is mostly fixed cost: besides its arithmetic,
+transformers' ``LlamaForCausalLM`` forward builds masks and position
+embeddings, updates its cache object and dispatches seven projections per
+layer (what the step saves end to end: docs/benchmarks.md, "Lean hook"). The
+step runs the same arithmetic with
 less around it: the query, key and value projections as one matrix product and
 the gate and up projections as another (the weights concatenated once, rows
 unchanged), the rotary tables computed once, and the keys and values written
@@ -87,13 +86,11 @@ def decode_step_blocker(model: Any) -> str | None:
     for i, layer in enumerate(model.model.layers):
         if type(layer) is not ml.LlamaDecoderLayer:
             return f"layer {i} is a {type(layer).__name__}"
-        a, m = layer.self_attn, layer.mlp
-        for name, proj in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj)):
-            if type(proj) is not torch.nn.Linear:
-                return f"layer {i} {name}_proj is a {type(proj).__name__}, not a plain torch.nn.Linear"
-        for name, proj in (("gate", m.gate_proj), ("up", m.up_proj), ("down", m.down_proj)):
-            if type(proj) is not torch.nn.Linear:
-                return f"layer {i} {name}_proj is a {type(proj).__name__}, not a plain torch.nn.Linear"
+        for part, names in ((layer.self_attn, "qkvo"), (layer.mlp, ("gate", "up", "down"))):
+            for name in names:
+                proj = getattr(part, f"{name}_proj")
+                if type(proj) is not torch.nn.Linear:
+                    return f"layer {i} {name}_proj is a {type(proj).__name__}, not a plain torch.nn.Linear"
         if type(layer.input_layernorm) is not ml.LlamaRMSNorm or type(layer.post_attention_layernorm) is not (
             ml.LlamaRMSNorm
         ):
@@ -141,7 +138,7 @@ class _Weights:
         if self.cos.shape[0] < end:
             size = max(end, 2 * self.cos.shape[0], 256)
             pos = torch.arange(size, device=self.inv_freq.device).float()[:, None]
-            freqs = pos * self.inv_freq.to(self.inv_freq.device)
+            freqs = pos * self.inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)
             dev = self.embed.device
             self.cos = (emb.cos() * self.rope_scale).to(device=dev, dtype=self.dtype)
