@@ -28,6 +28,30 @@ from .models import LOCAL_MODELS, ModelSource, draft_precision
 from .onednn import ONEDNN_DTYPES, apply_linear_backend
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """Name the CPU, so a race's machine line tells machines of one kind apart.
+
+    Parameters
+    ----------
+    cpuinfo : str
+        Linux's CPU description, read for its first ``model name`` line.
+
+    Returns
+    -------
+    str
+        That model name (e.g. ``"AMD EPYC 9B14"``), else :func:`platform.processor`, else ``""``.
+    """
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or ""
+
+
 @dataclass(frozen=True)
 class RaceConfig:
     """What to race: models (specs a :class:`~speckv_policy.hf.models.ModelSource` resolves) and settings."""
@@ -259,7 +283,7 @@ def run_race(
     bar.close()
     arm_names = [a.name for a in arms]
     result: dict[str, Any] = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPU threads, "
+        "machine": f"{platform.machine()} {cpu_model()} {os.cpu_count()} CPU threads, "
         f"torch {torch.__version__}, device {cfg.device}".replace("  ", " "),
         "config": {
             "target": models.model_id(cfg.target),
