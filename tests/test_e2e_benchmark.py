@@ -452,6 +452,7 @@ def test_cpu_model_reads_the_first_model_name_and_falls_back(tmp_path):
         "onednn_fp32_step",
         "onednn_fp32_sampling_step",
         "onednn_nf4_step",
+        "onednn_greedy_step",
         "onednn_nf4_sampling_stop",
         "onednn_nf4_sampling_calibrated",
         "onednn_fp32_sampling_stop",
