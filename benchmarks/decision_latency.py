@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import platform
 import sys
 import time
@@ -305,6 +304,7 @@ def _marginal(exported: str, pattern: str, target_linear: str, rounds: int) -> N
 
     from speckv_policy.hf import attach
     from speckv_policy.hf.models import draft_precision
+    from speckv_policy.machine import describe_host
     from speckv_policy.smollm2.models import load_model, load_tokenizer
 
     warnings.filterwarnings("ignore")
@@ -317,7 +317,7 @@ def _marginal(exported: str, pattern: str, target_linear: str, rounds: int) -> N
         model.register_forward_hook(lambda m, a, o, name=name: events.append((name, True, time.perf_counter())))
     inputs = _chat_inputs(tok, _PROMPTS)
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores; SmolLM2-135M fp32 target (linear layers: "
+        f"machine: {describe_host()}; SmolLM2-135M fp32 target (linear layers: "
         f"{target_linear}), distilled draft, {len(inputs)} prompts x {rounds} rounds, 48 new tokens, greedy\n"
     )
     print(
@@ -439,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     import sklearn
 
     from speckv_policy.logs import read_log
+    from speckv_policy.machine import describe_host
     from speckv_policy.policies import training_data
     from speckv_policy.training import fit_from_log, make_policy
 
@@ -448,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         for fs in ("online", "paper", "pre", "gated")
     }
     print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"machine: {describe_host()}, "
         f"Python {platform.python_version()}, onnxruntime {ort.__version__}, scikit-learn {sklearn.__version__}"
     )
     print(

@@ -134,6 +134,10 @@ class CostModel:
         the end of a row use the line.
     unit : str, default="ms"
         ``"ms"`` for measured costs; ``"target_step"`` for the relative default.
+    machine : str, default=""
+        The machine that measured the costs (``speckv-calibrate`` writes
+        :func:`speckv_policy.machine.describe_host`); descriptive only, not
+        compared, and empty for costs of unknown origin.
     """
 
     draft_ms_per_token: tuple[float, ...]
@@ -146,6 +150,7 @@ class CostModel:
     n_rows: dict[int, int] = field(default_factory=dict, compare=False)
     draft_base_ms: tuple[float, ...] = (0.0, 0.0, 0.0)
     verify_table_ms: tuple[tuple[float, ...], ...] | None = None
+    machine: str = field(default="", compare=False, repr=False)  # repr: params in exports read as before
 
     def __post_init__(self) -> None:
         for name in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token"):
@@ -164,6 +169,8 @@ class CostModel:
             raise ValueError(
                 f"CostModel.draft_base_ms needs {N_COMPRESSION_CODES} finite values >= 0, got {self.draft_base_ms!r}"
             )
+        if not isinstance(self.machine, str):
+            raise ValueError(f"CostModel.machine must be a string, got {type(self.machine).__name__}")
         if self.verify_table_ms is not None:
             t = self.verify_table_ms
             if (
@@ -355,6 +362,8 @@ class CostModel:
         """JSON-serialisable form (stored in exported models)."""
         d = asdict(self)
         d["n_rows"] = {str(k): v for k, v in self.n_rows.items()}
+        if not d["machine"]:  # unknown origin: left out, so files and exports of such costs read as they always did
+            del d["machine"]
         return d
 
     @classmethod

@@ -254,10 +254,11 @@ def test_export_one_liner_and_reprice(tmp_path, capsys, monkeypatch):
     assert f"speckv-export --reprice costs.json {out}" in text
     assert out.read_bytes() == (ROOT / "exported" / "smollm2-gbt.onnx").read_bytes()  # the shipped default
     costs = tmp_path / "costs.json"
-    CostModel.relative(draft_cost=0.3, verify_cost_per_token=0.01).save(costs)
+    replace(CostModel.relative(draft_cost=0.3, verify_cost_per_token=0.01), machine="Example CPU").save(costs)
     here = tmp_path / "model-here.onnx"
     assert export_cli.main(["--reprice", str(costs), str(out), str(here)]) == 0
-    assert "re-priced" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "re-priced" in text and "measured on Example CPU" in text  # which machine the new prices describe
     # the machine's times; the upfront probe stays the export's (the calibration describes a machine, not a mode)
     assert RuntimePolicy(here).cost_model == replace(CostModel.load(costs), decision_draft_tokens=1)
     log = read_log(ROOT / "datasets" / "smollm2" / "steps.parquet")

@@ -12,6 +12,7 @@ import pytest
 
 from speckv_policy.evaluation import race
 from speckv_policy.hf import race as hf_race
+from speckv_policy.machine import cpu_model
 from speckv_policy.testing import save_tiny_pair
 
 from .conftest import run_benchmark, table_rows
@@ -105,7 +106,7 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
         "vllm-dynamic",
     }
     assert set(res["arms"]) == expected
-    assert hf_race.cpu_model() in res["machine"]  # the CPU is named, so races on two machines read apart
+    assert cpu_model() in res["machine"]  # the CPU is named, so races on two machines read apart
     # the race calibrated this machine first and raced the exports re-priced with it
     from speckv_policy.objective import CostModel
 
@@ -415,17 +416,6 @@ def test_online_offline_choices_and_accounting_on_the_shipped_race_with_steps():
         assert float(r[5]) == pytest.approx(np.mean(gam == 0), abs=0.006)
     acct = stdout.split("Where the wall clock went")[1]
     assert acct.count("| int8/greedy |") >= 10 and acct.count("| nf4/greedy |") >= 10  # every hook arm
-
-
-def test_cpu_model_reads_the_first_model_name_and_falls_back(tmp_path):
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Example CPU 9000 @ 2GHz\n\nmodel name\t: other\n")
-    assert hf_race.cpu_model(str(info)) == "Example CPU 9000 @ 2GHz"
-    info.write_text("processor\t: 0\nmodel name\t:   \n")  # empty name: the platform's answer, a string
-    import platform
-
-    assert hf_race.cpu_model(str(info)) == (platform.processor() or "")
-    assert hf_race.cpu_model(str(tmp_path / "missing")) == (platform.processor() or "")
 
 
 @pytest.mark.parametrize(

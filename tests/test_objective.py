@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -163,6 +164,19 @@ def test_cost_model_rejects_bad_values():
         CostModel((1.0,), (1.0,) * 3, (1.0,) * 3)
     with pytest.raises(ValueError, match="verify_base_ms must be > 0"):
         CostModel((1.0,) * 3, (0.0,) * 3, (1.0,) * 3)
+
+
+def test_cost_model_names_the_machine_that_measured_it(tmp_path):
+    cm = CostModel((1.0,) * 3, (2.0,) * 3, (0.5,) * 3, device="cpu")
+    assert "machine" not in cm.to_dict()  # unknown origin: files read as before the field existed
+    named = replace(cm, machine="x86_64 Example CPU, 2 CPU threads")
+    assert named == cm  # descriptive, not compared: the same times price the same
+    path = tmp_path / "costs.json"
+    named.save(path)
+    assert CostModel.load(path).machine == "x86_64 Example CPU, 2 CPU threads"
+    assert CostModel.load(cm.to_dict()).machine == ""
+    with pytest.raises(ValueError, match="machine must be a string"):
+        CostModel.load({**cm.to_dict(), "machine": 3})
 
 
 def test_realized_throughput_hand_computed():

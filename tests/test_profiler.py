@@ -14,6 +14,7 @@ from speckv_policy.hf import attach, profiler
 from speckv_policy.hf.models import draft_precision
 from speckv_policy.hf.profiler import ProfileConfig
 from speckv_policy.logs import read_log, validate_log
+from speckv_policy.machine import describe_host
 from speckv_policy.objective import CostModel
 from speckv_policy.prompts import Prompt, PromptFileError, read_prompts
 from speckv_policy.testing import save_tiny_pair, tiny_llama_pair
@@ -265,6 +266,7 @@ def test_calibrate_times_every_gamma_through_the_hook(setup, tmp_path, capsys):
     assert set(steps["compression"]) == {"fp32", "int8"} and set(steps["gamma"]) == set(range(5))
     assert (steps["step"] > 0).all()  # first steps (prefill) left out
     assert cost.device == "cpu" and cost.decision_draft_tokens == 0 and len(cost.verify_table_ms[0]) == 5
+    assert cost.machine == describe_host()  # the cost file says which machine measured it
     # the fitted table is the mean verify time per gamma, per level
     g2 = steps[(steps["compression"] == "int8") & (steps["gamma"] == 2)]
     usual = (g2["verify_ms"] <= 5 * g2["verify_ms"].median()) & (g2["draft_ms"] <= 5 * g2["draft_ms"].median())
@@ -294,6 +296,8 @@ def test_calibrate_times_every_gamma_through_the_hook(setup, tmp_path, capsys):
     )
     text = capsys.readouterr().out
     assert CostModel.load(out).device == "cpu" and "2 (nf4)" in text and "not timed" in text
+    assert CostModel.load(out).machine == describe_host()
+    assert f"on cpu ({describe_host()})" in text
     assert (
         calibrate_cli.main(
             ["--target", target, "--draft", draft, "--prompts", str(tmp_path / "nope.jsonl"), "--out", str(out)]

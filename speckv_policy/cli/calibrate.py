@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return fail("speckv-calibrate", exc)
     print(
-        f"cost model of {args.target} + {args.draft} on {args.device}, {len(steps)} steps timed "
+        f"cost model of {args.target} + {args.draft} on {args.device} ({cost.machine}), {len(steps)} steps timed "
         f"({time.perf_counter() - t0:.0f} s in all) -> {args.out}"
     )
     for line in cost.describe():

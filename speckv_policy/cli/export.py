@@ -165,7 +165,8 @@ def _reprice(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         return fail("speckv-export", exc)
     what = "the stop rule " if rule else ""
-    print(f"re-priced {what}{src} -> {dst} with the cost model in {args.reprice} ({cm.unit}, device {cm.device}):")
+    on = f", measured on {cm.machine}" if cm.machine else ""
+    print(f"re-priced {what}{src} -> {dst} with the cost model in {args.reprice} ({cm.unit}, device {cm.device}{on}):")
     for line in cm.describe():
         print(f"  {line}")
     return 0
@@ -265,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         if rt.gated
         else f"{cm.decision_draft_tokens} draft token(s) paid before deciding"
     )
-    print(f"  priced with the cost model of device {cm.device} ({cm.unit}; per compression code; {paid}):")
+    on = f", measured on {cm.machine}" if cm.machine else ""
+    print(f"  priced with the cost model of device {cm.device}{on} ({cm.unit}; per compression code; {paid}):")
     for line in cm.describe():
         print(f"    {line}")
     if log is not None and (log["split"] == "heldout").any():

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
+from ..machine import describe_host
 from ..objective import CostModel
 from ..prompts import Prompt, encode_prompt
 from .hook import attach
@@ -155,4 +156,5 @@ def calibrate(
         if len({r["gamma"] for r in rows if r["compression"] == comp}) < 2:
             raise ValueError(f"{comp}: the budget timed fewer than two gammas; give more --seconds")
     steps = pd.DataFrame(rows)
-    return CostModel.fit(steps, device=cfg.device, min_rows=3), steps
+    gpu = torch.cuda.get_device_name(cfg.device) if str(cfg.device).startswith("cuda") else ""
+    return replace(CostModel.fit(steps, device=cfg.device, min_rows=3), machine=describe_host(gpu)), steps

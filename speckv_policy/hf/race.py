@@ -20,36 +20,13 @@ import torch
 from transformers import DynamicCache
 
 from ..evaluation.race import HF_FIELDS, NEAR_TIE, ArmSpec, goals, summarize_runs
+from ..machine import cpu_model
 from ..prompts import Prompt, encode_prompt
 from .fast_draft import decode_step_blocker
 from .hook import attach
 from .live_costs import LiveCosts
 from .models import LOCAL_MODELS, ModelSource, draft_precision
 from .onednn import ONEDNN_DTYPES, apply_linear_backend
-
-
-def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """Name the CPU, so a race's machine line tells machines of one kind apart.
-
-    Parameters
-    ----------
-    cpuinfo : str
-        Linux's CPU description, read for its first ``model name`` line.
-
-    Returns
-    -------
-    str
-        That model name (e.g. ``"AMD EPYC 9B14"``), else :func:`platform.processor`, else ``""``.
-    """
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or ""
 
 
 @dataclass(frozen=True)
@@ -284,7 +261,8 @@ def run_race(
     arm_names = [a.name for a in arms]
     result: dict[str, Any] = {
         "machine": f"{platform.machine()} {cpu_model()} {os.cpu_count()} CPU threads, "
-        f"torch {torch.__version__}, device {cfg.device}".replace("  ", " "),
+        f"torch {torch.__version__}, device {cfg.device}".replace("  ", " ")
+        + (f" ({torch.cuda.get_device_name(cfg.device)})" if str(cfg.device).startswith("cuda") else ""),
         "config": {
             "target": models.model_id(cfg.target),
             "draft": models.model_id(cfg.draft),
