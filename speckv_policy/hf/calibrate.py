@@ -22,11 +22,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..machine import describe_host
 from ..objective import CostModel
 from ..prompts import Prompt, encode_prompt
 from .hook import attach
-from .models import LOCAL_MODELS, ModelSource, draft_precision
+from .models import LOCAL_MODELS, ModelSource, device_machine, draft_precision
 from .onednn import ONEDNN_DTYPES, apply_linear_backend
 
 #: Steps timed per gamma and level before a calibration stops (it runs past its budget, up to 4x, to get them).
@@ -156,5 +155,4 @@ def calibrate(
         if len({r["gamma"] for r in rows if r["compression"] == comp}) < 2:
             raise ValueError(f"{comp}: the budget timed fewer than two gammas; give more --seconds")
     steps = pd.DataFrame(rows)
-    gpu = torch.cuda.get_device_name(cfg.device) if str(cfg.device).startswith("cuda") else ""
-    return replace(CostModel.fit(steps, device=cfg.device, min_rows=3), machine=describe_host(gpu)), steps
+    return replace(CostModel.fit(steps, device=cfg.device, min_rows=3), machine=device_machine(cfg.device)), steps

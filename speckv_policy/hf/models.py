@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..machine import describe_host
+
 __all__ = [
     "COMPRESSIONS_LOADABLE",
     "DRAFT_PRECISIONS",
@@ -64,6 +66,18 @@ def cpu_has_native_bf16() -> bool:
         except Exception:  # a torch without the probe or a CPU it cannot query
             continue
     return False
+
+
+def device_machine(device: str) -> str:
+    """:func:`speckv_policy.machine.describe_host` for a torch device: the host, and the GPU's name on CUDA.
+
+    Parameters
+    ----------
+    device : str
+        The torch device a measurement ran on (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+    """
+    gpu = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else ""
+    return describe_host(gpu)
 
 
 def draft_precision(device: str, requested: str = "auto") -> str:

@@ -8,7 +8,6 @@ and returns the raw runs with their summary and goals.
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 import zlib
@@ -20,12 +19,11 @@ import torch
 from transformers import DynamicCache
 
 from ..evaluation.race import HF_FIELDS, NEAR_TIE, ArmSpec, goals, summarize_runs
-from ..machine import cpu_model
 from ..prompts import Prompt, encode_prompt
 from .fast_draft import decode_step_blocker
 from .hook import attach
 from .live_costs import LiveCosts
-from .models import LOCAL_MODELS, ModelSource, draft_precision
+from .models import LOCAL_MODELS, ModelSource, device_machine, draft_precision
 from .onednn import ONEDNN_DTYPES, apply_linear_backend
 
 
@@ -260,9 +258,7 @@ def run_race(
     bar.close()
     arm_names = [a.name for a in arms]
     result: dict[str, Any] = {
-        "machine": f"{platform.machine()} {cpu_model()} {os.cpu_count()} CPU threads, "
-        f"torch {torch.__version__}, device {cfg.device}".replace("  ", " ")
-        + (f" ({torch.cuda.get_device_name(cfg.device)})" if str(cfg.device).startswith("cuda") else ""),
+        "machine": f"{device_machine(cfg.device)}, torch {torch.__version__}, device {cfg.device}",
         "config": {
             "target": models.model_id(cfg.target),
             "draft": models.model_id(cfg.draft),
