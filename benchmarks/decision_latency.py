@@ -339,7 +339,7 @@ def _marginal(exported: str, pattern: str, target_linear: str, rounds: int) -> N
                 gammas = [s.gamma for s in h.stats]
                 own += [s.decision_us for s in h.stats[1:]]
                 events.clear()
-                with attach(target, None, compression="fp32", mode="fixed", gamma_fn=gammas.__getitem__):
+                with attach(target, gammas.__getitem__, compression="fp32", mode="fixed"):
                     b_out = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
                 b = _nonforward_us(events)
                 if not torch.equal(a_out, b_out) or len(a) != len(b):

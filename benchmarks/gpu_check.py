@@ -97,7 +97,7 @@ def main() -> int:
                 draft.generation_config.assistant_confidence_threshold = 0.0
                 draft.generation_config.num_assistant_tokens_schedule = "constant"
                 own = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
-                with attach(target, None, mode="fixed", gamma_fn=lambda s: 4, compression=comp):
+                with attach(target, lambda s: 4, mode="fixed", compression=comp):
                     ours = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
                 ok &= torch.equal(own, ours)
                 print(

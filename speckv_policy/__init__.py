@@ -40,6 +40,8 @@ _LAZY = {
     "export_onnx": "speckv_policy.export",
     "evaluate_log": "speckv_policy.evaluation",
     "attach": "speckv_policy.hf",
+    "HookSettings": "speckv_policy.settings",
+    "StopRule": "speckv_policy.stop",
 }
 
 __all__ = ["__version__", *_LAZY]

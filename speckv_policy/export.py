@@ -55,17 +55,17 @@ class _Graph:
         self._n = 0
         self._prefix = prefix
 
-    def _name(self, base: str) -> str:
+    def fresh_name(self, base: str) -> str:
         self._n += 1
         return f"{self._prefix}{base}_{self._n}"
 
     def const(self, value: Any, dtype: Any = np.float32, name: str = "c") -> str:
-        n = self._name(name)
+        n = self.fresh_name(name)
         self.inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), n))
         return n
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
-        o = out or self._name(op_type.lower())
+        o = out or self.fresh_name(op_type.lower())
         self.nodes.append(helper.make_node(op_type, list(inputs), [o], **attrs))
         return o
 
@@ -88,16 +88,16 @@ class _ConverterGraph(_Graph):
         target = container.target_opset
         self.opv = target.get("", OPSET) if isinstance(target, dict) else int(target or OPSET)
 
-    def _name(self, base: str) -> str:
+    def fresh_name(self, base: str) -> str:
         return self.scope.get_unique_variable_name(base)
 
     def const(self, value: Any, dtype: Any = np.float32, name: str = "c") -> str:
-        n = self._name(name)
+        n = self.fresh_name(name)
         self.container.add_initializer(n, None, None, numpy_helper.from_array(np.asarray(value, dtype=dtype), n))
         return n
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
-        o = out or self._name(op_type.lower())
+        o = out or self.fresh_name(op_type.lower())
         self.container.add_node(
             op_type, list(inputs), [o], name=self.scope.get_unique_operator_name(op_type), op_version=self.opv, **attrs
         )
@@ -108,7 +108,7 @@ class _ConverterGraph(_Graph):
         from skl2onnx.algebra.onnx_ops import OnnxIdentity
         from skl2onnx.common.data_types import FloatTensorType
 
-        out = self._name("probabilities")
+        out = self.fresh_name("probabilities")
         sub = OnnxSubEstimator(
             model, x, op_version=self.opv, options={"zipmap": False}, input_types=[FloatTensorType([None, n_features])]
         )
@@ -322,7 +322,7 @@ def _gate_tail(
     g: _Graph, tokens: str, feature_set: str, candidates: np.ndarray, objective: str, cm: CostModel, x: str, out: str
 ) -> None:
     """``out`` = 1 where the best candidate under ``cm`` (no probe) drafts, else 0."""
-    names = (g._name("gate_gamma"), g._name("gate_values"), tokens)  # tokens already named: no copy
+    names = (g.fresh_name("gate_gamma"), g.fresh_name("gate_values"), tokens)  # tokens already named: no copy
     _decision(g, tokens, feature_set, candidates, objective, replace(cm, decision_draft_tokens=0), x=x, outputs=names)
     g.op("Cast", g.op("Greater", names[0], g.const(0, np.int64)), to=TensorProto.INT64, out=out)
 

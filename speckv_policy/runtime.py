@@ -104,7 +104,7 @@ class RuntimePolicy:
         ``None``: failures raise. An int: failures return it, with one warning.
     intra_op_num_threads : int, default=1
         onnxruntime threads; one is fastest for a per-step decision.
-    cost_model : CostModel, dict, path or None, default=None
+    costs : CostModel, dict, path or None, default=None
         Re-price the export for the machine it runs on: decide the argmax of
         expected tokens over step time under this cost model (e.g. the JSON
         ``speckv-calibrate`` writes) instead of the one the export was priced
@@ -121,6 +121,9 @@ class RuntimePolicy:
         export has one that agrees with the graph on check rows straddling
         every threshold (GBT, table and fixed policies), else the graph.
         Batch methods always run the graph.
+    cost_model : CostModel, dict, path or None, default=None
+        Deprecated spelling of ``costs`` (one name for costs everywhere); still
+        honoured this release, with a ``DeprecationWarning``.
 
     Attributes
     ----------
@@ -157,9 +160,19 @@ class RuntimePolicy:
         providers: str | Sequence[str] = "cpu",
         fallback_gamma: int | None = None,
         intra_op_num_threads: int = 1,
-        cost_model: Any = None,
+        costs: Any = None,
         engine: str = "auto",
+        cost_model: Any = None,
     ) -> None:
+        if cost_model is not None:
+            if costs is not None:
+                raise ValueError("give costs= only (cost_model= is its deprecated spelling)")
+            warnings.warn(
+                "RuntimePolicy(cost_model=...) is deprecated and will be removed in the next release; pass costs=...",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            costs = cost_model
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         if fallback_gamma is not None and (
@@ -203,8 +216,8 @@ class RuntimePolicy:
             self.engine = "onnxruntime"
             if engine != "onnxruntime":
                 self._load_program(required=engine == "python")
-            if cost_model is not None:
-                self.reprice(cost_model)
+            if costs is not None:
+                self.reprice(costs)
         except (PolicyLoadError, OSError) as exc:
             if self.fallback_gamma is None:
                 raise
@@ -331,7 +344,7 @@ class RuntimePolicy:
         try:  # the first run allocates and plans; pay it at load, not on a decoding step
             sess.run(["gamma"], {"features": self._x})
             # one decision = one call on buffers bound once: no per-call allocation of inputs or outputs
-            # (measured ~50 us less right after a model forward, see docs/benchmarks.md)
+            # (measured ~50 us less right after a model forward, see docs/design.md)
             self._gamma_out = np.zeros(1, dtype=np.int64)
             self._io = sess.io_binding()
             self._io.bind_ortvalue_input("features", ort.OrtValue.ortvalue_from_numpy(self._x))
@@ -445,7 +458,7 @@ class RuntimePolicy:
     ) -> int:
         """The program's decision; memoised in ``memo`` by cell and compression code where the head has cells.
 
-        Inside generation every line a decision runs starts cold (docs/benchmarks.md), so a table head's decision
+        Inside generation every line a decision runs starts cold (docs/design.md), so a table head's decision
         is worked out once per cell and code at the current prices and then looked up.
         """
         cell_of = program.cell_of
@@ -460,7 +473,7 @@ class RuntimePolicy:
     def _memo_hit(self, program: DecisionProgram, memo: dict[int, int], features: Any) -> int | None:
         """The memoised decision for a list row of finite values, else None (then the full path runs and checks).
 
-        The short path inside generation, where every line runs cold (docs/benchmarks.md): one step's list from
+        The short path inside generation, where every line runs cold (docs/design.md): one step's list from
         :meth:`~speckv_policy.features.OnlineFeatureState.pre_values` goes straight to its cell's decision.
         """
         cell_of = program.cell_of

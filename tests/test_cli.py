@@ -234,9 +234,9 @@ def test_docs_cover_the_schemas():
     from speckv_policy.logs import COLUMNS
     from speckv_policy.schema import FEATURE_SETS
 
-    schema_doc = (ROOT / "docs" / "log_schema.md").read_text()
+    schema_doc = (ROOT / "docs" / "reference" / "log_schema.md").read_text()
     assert all(f"`{c}`" in schema_doc for c in COLUMNS)
-    feature_doc = (ROOT / "docs" / "features.md").read_text()
+    feature_doc = (ROOT / "docs" / "reference" / "features.md").read_text()
     assert all(f"`{n}`" in feature_doc for fs in FEATURE_SETS.values() for n in fs.names)
 
 
@@ -263,9 +263,7 @@ def test_export_one_liner_and_reprice(tmp_path, capsys, monkeypatch):
     assert RuntimePolicy(here).cost_model == replace(CostModel.load(costs), decision_draft_tokens=1)
     log = read_log(ROOT / "datasets" / "smollm2" / "steps.parquet")
     X, _ = training_data(log, "online", split="heldout")
-    np.testing.assert_array_equal(
-        RuntimePolicy(here).decide_batch(X), RuntimePolicy(out, cost_model=costs).decide_batch(X)
-    )
+    np.testing.assert_array_equal(RuntimePolicy(here).decide_batch(X), RuntimePolicy(out, costs=costs).decide_batch(X))
     # clear errors, nothing written
     bad = tmp_path / "bad.onnx"
     assert export_cli.main(["--reprice", str(costs), str(out)]) == 2
@@ -376,3 +374,18 @@ def test_export_a_stop_rule_reprice_it_and_the_shipped_one_is_what_the_command_w
             assert a.rows == b.rows and np.allclose(
                 [a.intercept, *a.coef], [b.intercept, *b.coef], rtol=1e-4, atol=1e-6
             )
+
+
+def test_every_option_of_every_command_has_a_help_line_and_the_reference_is_current():
+    from speckv_policy.cli import reference
+
+    missing = [
+        f"{parser.prog} {action.option_strings or action.dest}"
+        for _, module, _ in reference.COMMANDS
+        for parser in reference.parsers(module)
+        for action in parser._actions
+        if not action.help
+    ]
+    assert not missing, missing
+    shipped = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert shipped == reference.render(), "run python -m speckv_policy.cli.reference"

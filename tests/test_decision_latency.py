@@ -51,7 +51,7 @@ def test_a_pre_policys_choices_replayed_take_the_same_forward_passes():
             a = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
         gammas, with_policy = [s.gamma for s in h.stats], list(passes)
         passes.clear()
-        with attach(target, None, compression="fp32", mode="fixed", gamma_fn=gammas.__getitem__):
+        with attach(target, gammas.__getitem__, compression="fp32", mode="fixed"):
             b = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
     finally:
         for hk in hooks:

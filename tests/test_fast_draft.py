@@ -112,7 +112,7 @@ def test_a_draft_on_onednn_layers_keeps_its_forward(pair):
     use_onednn_linear(converted)
     assert "not a plain torch.nn.Linear" in decode_step_blocker(converted)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
-    with attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 3) as h:
+    with attach(target, lambda s: 3, compression="fp32", mode="fixed") as h:
         out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=converted)
     assert h.draft_forward.startswith("transformers (layer 0 q_proj is a OneDNNLinear")
     assert torch.equal(out, target.generate(ids, max_new_tokens=12, do_sample=False))
@@ -120,7 +120,7 @@ def test_a_draft_on_onednn_layers_keeps_its_forward(pair):
 
 def _steps(target, draft, ids, n_new, gammas, how, sample=False):
     it = itertools.cycle(gammas)
-    with attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: next(it), draft_forward=how) as h:
+    with attach(target, lambda s: next(it), compression="fp32", mode="fixed", settings={"draft_forward": how}) as h:
         torch.manual_seed(0)
         out = target.generate(ids, max_new_tokens=n_new, do_sample=sample, assistant_model=draft)
     return out, [(s.gamma, s.drafted, s.accepted) for s in h.stats], h.draft_forward
@@ -170,7 +170,7 @@ def test_a_draft_with_forward_hooks_keeps_its_forward(pair):
 
 def test_unknown_draft_forward_is_refused(pair):
     with pytest.raises(ValueError, match="unknown draft_forward 'fastest'; expected one of auto, transformers"):
-        attach(pair[0], None, compression="fp32", mode="fixed", gamma_fn=lambda s: 1, draft_forward="fastest")
+        attach(pair[0], lambda s: 1, compression="fp32", mode="fixed", settings={"draft_forward": "fastest"})
 
 
 def test_shipped_draft_gives_its_forwards_logits_with_its_copy_mixture():

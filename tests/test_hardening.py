@@ -136,9 +136,9 @@ def test_attach_validates_fallback_gamma(fitted, tmp_path):
     target, _ = tiny_llama_pair(seed=0)
     export_onnx(fitted["table"], tmp_path / "t.onnx")
     with pytest.raises(ValueError, match="fallback_gamma must be an int >= 0"):
-        attach(target, str(tmp_path / "t.onnx"), compression="fp32", fallback_gamma=-1)
+        attach(target, str(tmp_path / "t.onnx"), compression="fp32", settings={"fallback_gamma": -1})
     with pytest.raises(ValueError, match="fallback_gamma 9 exceeds max_gamma 8"):
-        attach(target, str(tmp_path / "t.onnx"), compression="fp32", fallback_gamma=9)
+        attach(target, str(tmp_path / "t.onnx"), compression="fp32", settings={"fallback_gamma": 9})
     assert "_get_candidate_generator" not in target.__dict__
 
 

@@ -59,11 +59,12 @@ def test_greedy_output_is_the_targets_for_any_gamma_sequence(pair, gammas, mode,
     ids = torch.tensor([prompt])
     ref = _greedy(target, ids, n_new)
     fs = {"truncate": "paper", "pre": "pre", "gated": "gated"}.get(mode, "online")
-    kw = {"gamma_fn": _cycle(gammas)} if mode == "fixed" else {"feature_set": fs}
+    kw = {} if mode == "fixed" else {"feature_set": fs}
+    settings = {"max_gamma": 8}
     if mode in ("upfront", "per-token") and gammas[0] % 2:
-        kw["probe_backoff"] = 4  # plain steps without a probe are lossless too
+        settings["probe_backoff"] = 4  # plain steps without a probe are lossless too
     policy = _GatedCycle(gammas) if mode == "gated" else _cycle(gammas)
-    with attach(target, policy, compression="fp32", mode=mode, max_gamma=8, **kw) as h:
+    with attach(target, policy, compression="fp32", mode=mode, **kw, settings=settings) as h:
         out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
     assert sum(s.accepted + 1 for s in h.stats) == out.shape[1] - ids.shape[1]
@@ -84,7 +85,7 @@ def test_probe_backoff_skips_probes_after_zero_decisions(pair):
     target, draft = pair
     ids = torch.tensor([[1, 2, 3]])
     ref = _greedy(target, ids, 40)
-    with attach(target, lambda f: 0, compression="fp32", feature_set="online", probe_backoff=4) as h:
+    with attach(target, lambda f: 0, compression="fp32", feature_set="online", settings={"probe_backoff": 4}) as h:
         out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)  # plain steps are lossless
     # probe, skip 1, probe, skip 2, probe, skip 4, probe, skip 4, ...
@@ -93,15 +94,15 @@ def test_probe_backoff_skips_probes_after_zero_decisions(pair):
     assert all(s.drafted == 0 and s.gamma == 0 for s in h.stats if s.skipped)
     assert h.summary()["skipped_probes"] == sum(s.skipped for s in h.stats) > 0
     # a probe that drafts resets the back-off: policy alternating 0 and 2 never skips twice in a row
-    with attach(target, _cycle([0, 2]), compression="fp32", feature_set="online", probe_backoff=8) as h:
+    with attach(target, _cycle([0, 2]), compression="fp32", feature_set="online", settings={"probe_backoff": 8}) as h:
         out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
     assert torch.equal(out, _greedy(target, ids, 30))
     skipped = [s.skipped for s in h.stats]
     assert not any(a and b for a, b in zip(skipped, skipped[1:]))
     with pytest.raises(ValueError, match="probe_backoff applies"):
-        attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 1, probe_backoff=2)
+        attach(target, lambda s: 1, compression="fp32", mode="fixed", settings={"probe_backoff": 2})
     with pytest.raises(ValueError, match="probe_backoff must be"):
-        attach(target, lambda f: 0, compression="fp32", feature_set="online", probe_backoff=-1)
+        attach(target, lambda f: 0, compression="fp32", feature_set="online", settings={"probe_backoff": -1})
 
 
 def _exact_joint(target, ids, vocab):
@@ -225,7 +226,7 @@ def test_default_int8_matches_transformers_own_assisted_decoding(saved_pair):
         for prompt in ([1, 2, 3, 4], [9, 30, 2]):
             ids = torch.tensor([prompt])
             hf_own = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
-            with attach(target, None, compression="int8", mode="fixed", gamma_fn=lambda step, g=g: g):
+            with attach(target, lambda step, g=g: g, compression="int8", mode="fixed"):
                 ours = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
             assert torch.equal(ours, hf_own), (g, prompt)
 
@@ -238,7 +239,7 @@ def test_broken_policy_falls_back_with_one_warning(pair, bad):
     ids = torch.tensor([[5, 6, 7]])
     ref = _greedy(target, ids, 25)
     with pytest.warns(PolicyFallbackWarning) as rec:
-        with attach(target, bad, compression="fp32", feature_set="online", fallback_gamma=2) as h:
+        with attach(target, bad, compression="fp32", feature_set="online", settings={"fallback_gamma": 2}) as h:
             out = target.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
     assert len([r for r in rec if r.category is PolicyFallbackWarning]) == 1
@@ -278,7 +279,7 @@ def _count_calls(monkeypatch, module, name: str) -> dict[str, int]:
 def test_a_policy_that_reads_no_entropy_decides_the_same_without_it(pair, fitted, tmp_path, monkeypatch):
     """The hook skips a draft token's entropy where the policy does not read it; every decision stays the same."""
     from speckv_policy.export import export_onnx
-    from speckv_policy.hf import hook
+    from speckv_policy.hf import controller as hook
     from speckv_policy.runtime import RuntimePolicy
 
     full = _count_calls(monkeypatch, hook, "draft_token_stats_one")
@@ -330,7 +331,7 @@ def test_corrupt_onnx_file_generation_still_runs(pair, tmp_path):
     bad.write_bytes(b"\x08\x07garbage")
     ids = torch.tensor([[1, 2, 3]])
     with pytest.warns(PolicyFallbackWarning) as rec:
-        with attach(target, str(bad), compression="fp32", fallback_gamma=3) as h:
+        with attach(target, str(bad), compression="fp32", settings={"fallback_gamma": 3}) as h:
             out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
     assert torch.equal(out, _greedy(target, ids, 20))
     assert len([r for r in rec if r.category is PolicyFallbackWarning]) == 1
@@ -346,7 +347,10 @@ def test_clear_errors(pair, fitted):
             target.generate(torch.tensor([[1, 2]]), max_new_tokens=4, assistant_model=draft, num_beams=2)
         with pytest.raises(RuntimeError, match="already attached"):
             attach(target, _cycle([2]), compression="fp32", feature_set="online")
-    with pytest.raises(ValueError, match="computes the 'paper' feature set but the policy expects 'online'"):
+    with pytest.raises(
+        ValueError,
+        match="reads the 'online' features and runs in mode 'upfront'; mode='truncate' would compute the 'paper'",
+    ):
         attach(target, fitted["table"], compression="fp32", mode="truncate")
     with pytest.raises(ValueError, match="unknown mode"):
         attach(target, fitted["table"], compression="fp32", mode="eager")
@@ -450,8 +454,8 @@ def test_costs_errors(pair, fitted, tmp_path):
     export_onnx(fitted["table"], tmp_path / "t.onnx")
     with pytest.raises(ValueError, match="needs an ONNX export"):
         attach(target, fitted["table"], compression="fp32", costs="live")
-    with pytest.raises(ValueError, match="mode='fixed' has no policy"):
-        attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 2, costs="live")
+    with pytest.raises(ValueError, match=r"a fixed gamma \(mode='fixed'\) decides nothing"):
+        attach(target, lambda s: 2, compression="fp32", mode="fixed", costs="live")
     with pytest.raises(ValueError, match="maximises tokens_per_step"):
         attach(target, str(tmp_path / "p.onnx"), compression="fp32", mode="truncate", costs="live")
     with pytest.raises(ValueError, match="cost model file not found: .*nope.json"):

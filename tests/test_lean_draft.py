@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
 )
 
-from speckv_policy.hf import attach, hook
+from speckv_policy.hf import attach, candidates
 from speckv_policy.hf.lean_draft import LeanDraft, sample_tokens
 from speckv_policy.testing import tiny_llama_pair
 
@@ -29,10 +29,9 @@ def pair():
 def _run(target, draft, ids, n_new, gammas, mode, loop, backoff=0):
     it = itertools.cycle(gammas)
     fs = "paper" if mode == "truncate" else "online"
-    kw = {"gamma_fn": lambda s: next(it)} if mode == "fixed" else {"feature_set": fs}
-    if backoff:
-        kw["probe_backoff"] = backoff
-    with attach(target, lambda f: next(it), compression="fp32", mode=mode, max_gamma=8, draft_loop=loop, **kw) as h:
+    kw = {} if mode == "fixed" else {"feature_set": fs}
+    settings = {"max_gamma": 8, "draft_loop": loop, "probe_backoff": backoff}
+    with attach(target, lambda f: next(it), compression="fp32", mode=mode, **kw, settings=settings) as h:
         out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=draft)
     return out, [(s.gamma, s.drafted, s.accepted, s.skipped) for s in h.stats], h.draft_loop
 
@@ -63,18 +62,18 @@ def test_lean_loop_reuses_its_cache(pair):
     target, draft = pair
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     made = []
-    real = hook.LeanDraft
+    real = candidates.LeanDraft
 
     class Spy(real):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             made.append(self)
 
-    hook.LeanDraft = Spy
+    candidates.LeanDraft = Spy
     try:
         out, steps, _ = _run(target, draft, ids, 40, [3, 0, 5, 2, 8], "fixed", "lean")
     finally:
-        hook.LeanDraft = real
+        candidates.LeanDraft = real
     (lean,) = made
     drafted = sum(s[1] for s in steps)
     assert lean.forwards == drafted  # one forward per draft token, no re-prefill
@@ -124,12 +123,12 @@ def test_unsupported_inputs_use_the_generate_path_and_say_so(pair):
     ids = torch.tensor([[0, 4, 5, 6]])
     mask = torch.tensor([[0, 1, 1, 1]])  # a padded single sequence
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    with attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 3) as h:
+    with attach(target, lambda s: 3, compression="fp32", mode="fixed") as h:
         out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
     assert h.draft_loop == "generate (padded attention mask)"
     with pytest.raises(ValueError, match="unknown draft_loop"):
-        attach(target, None, compression="fp32", mode="fixed", gamma_fn=lambda s: 3, draft_loop="fast")
+        attach(target, lambda s: 3, compression="fp32", mode="fixed", settings={"draft_loop": "fast"})
 
 
 @pytest.mark.parametrize("loop", ["lean", "generate"])
@@ -138,18 +137,18 @@ def test_drafts_are_the_drafts_own_greedy_continuation_after_rejections_and_plai
     cache, and the draft proposed from a context with a hole (token 23 where the draft's own argmax is 55)."""
     target, draft = pair
     seen = []
-    real = hook.SpeckvCandidateGenerator.get_candidates
+    real = candidates.SpeckvCandidateGenerator.get_candidates
 
     def spy(self, input_ids, **kw):
         out = real(self, input_ids, **kw)
         seen.append((input_ids.clone(), out[0].clone()))
         return out
 
-    hook.SpeckvCandidateGenerator.get_candidates = spy
+    candidates.SpeckvCandidateGenerator.get_candidates = spy
     try:
         _run(target, draft, torch.tensor([[1, 1]]), 24, [0, 0, 2], "fixed", loop)
     finally:
-        hook.SpeckvCandidateGenerator.get_candidates = real
+        candidates.SpeckvCandidateGenerator.get_candidates = real
     checked = 0
     for ctx, cand in seen:
         ids = ctx

@@ -200,22 +200,22 @@ def test_repricing_keeps_the_exports_probe(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    calib = CostModel.load(root / "docs" / "pre_costs.json")
+    calib = CostModel.load(root / "benchmarks" / "runs" / "pre_costs.json")
     assert calib.decision_draft_tokens == 0
     rng = np.random.default_rng(0)
     for name, probe in (("smollm2-gbt", 1), ("smollm2-gbt-pre", 0)):
         path = root / "exported" / f"{name}.onnx"
-        rt = RuntimePolicy(path, cost_model=calib)
+        rt = RuntimePolicy(path, costs=calib)
         assert rt.cost_model == replace(calib, decision_draft_tokens=probe)
         rows = edge_rows(rt.feature_set.names, rng)
-        want = RuntimePolicy(path, cost_model=replace(calib, decision_draft_tokens=probe)).decide_batch(rows)
+        want = RuntimePolicy(path, costs=replace(calib, decision_draft_tokens=probe)).decide_batch(rows)
         np.testing.assert_array_equal(rt.decide_batch(rows), want)
         write_onnx(reprice_onnx(onnx.load(path), calib), tmp_path / f"{name}.onnx")  # the file keeps it too
         in_file = RuntimePolicy(tmp_path / f"{name}.onnx")
         assert in_file.cost_model.decision_draft_tokens == probe
         np.testing.assert_array_equal(in_file.decide_batch(rows), want)
     # the probe really is priced: gamma 0 of the upfront export costs one draft token more than without it
-    up = RuntimePolicy(root / "exported" / "smollm2-gbt.onnx", cost_model=calib).cost_model
+    up = RuntimePolicy(root / "exported" / "smollm2-gbt.onnx", costs=calib).cost_model
     assert up.step_ms(0, 0) == pytest.approx(calib.step_ms(0, 0) + calib.draft_ms(1, 0))
 
 
@@ -227,7 +227,7 @@ def test_repricing_at_load_and_in_the_file_match_python(name, fitted, exported, 
     X, _ = _rows(name, heldout)
     py = with_cost_model(policy, OTHER_COSTS)
     want = py.predict(X)
-    rt = RuntimePolicy(path, cost_model=OTHER_COSTS)
+    rt = RuntimePolicy(path, costs=OTHER_COSTS)
     assert rt.repriced and rt.repriceable and rt.cost_model == OTHER_COSTS and "repriced" in repr(rt)
     got = rt.decide_batch(X)
     assert (got == want).mean() >= 0.999
@@ -251,7 +251,7 @@ def test_repricing_at_load_and_in_the_file_match_python(name, fitted, exported, 
     assert len(new.graph.node) <= len(model.graph.node) + 2  # the old decision tail is gone, not kept beside the new
     # re-pricing with the export's own costs changes nothing
     np.testing.assert_array_equal(
-        RuntimePolicy(path, cost_model=policy.cost_model_).decide_batch(X), RuntimePolicy(path).decide_batch(X)
+        RuntimePolicy(path, costs=policy.cost_model_).decide_batch(X), RuntimePolicy(path).decide_batch(X)
     )
 
 
@@ -259,7 +259,7 @@ def test_tokens_per_step_exports_cannot_be_repriced(exported, tmp_path):
     model, path = exported["paper-mlp16"]
     assert not RuntimePolicy(path).repriceable
     with pytest.raises(PolicyLoadError, match="maximises tokens_per_step"):
-        RuntimePolicy(path, cost_model=OTHER_COSTS)
+        RuntimePolicy(path, costs=OTHER_COSTS)
     with pytest.raises(ValueError, match="maximises tokens_per_step"):
         reprice_onnx(model, OTHER_COSTS)
 
@@ -268,19 +268,19 @@ def test_cost_model_files(exported, tmp_path):
     _, path = exported["gbt"]
     good = tmp_path / "costs.json"
     OTHER_COSTS.save(good)
-    assert RuntimePolicy(path, cost_model=good).cost_model == OTHER_COSTS
+    assert RuntimePolicy(path, costs=good).cost_model == OTHER_COSTS
     with pytest.raises(PolicyLoadError, match="cost model file not found"):
-        RuntimePolicy(path, cost_model=tmp_path / "missing.json")
+        RuntimePolicy(path, costs=tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(PolicyLoadError, match="bad.json: not a JSON cost model"):
-        RuntimePolicy(path, cost_model=bad)
+        RuntimePolicy(path, costs=bad)
     bad.write_text('{"draft_ms_per_token": [1, 1, 1], "colour": "blue"}')
     with pytest.raises(PolicyLoadError, match="unknown fields colour; missing fields verify_base_ms"):
-        RuntimePolicy(path, cost_model=bad)
+        RuntimePolicy(path, costs=bad)
     # with a fallback gamma a bad cost model falls back instead of raising
     with pytest.warns(PolicyFallbackWarning):
-        rt = RuntimePolicy(path, cost_model=bad, fallback_gamma=3)
+        rt = RuntimePolicy(path, costs=bad, fallback_gamma=3)
     assert rt.decide(np.zeros(ONLINE.n_features, np.float32)) == 3
     with pytest.raises(ValueError, match="step times must be"):
         RuntimePolicy(path).set_step_times(np.ones((3, 2)))

@@ -191,7 +191,7 @@ def test_gated_export_matches_python_and_reprices_both_heads(kind, gated_data, s
     other = CostModel.relative(draft_cost=0.02)
     write_onnx(reprice_onnx(model, other), tmp_path / "re.onnx")
     a = RuntimePolicy(tmp_path / "re.onnx").decide_gated_batch(rows)
-    b = RuntimePolicy(path, cost_model=other).decide_gated_batch(rows)
+    b = RuntimePolicy(path, costs=other).decide_gated_batch(rows)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
     with pytest.raises(ValueError, match="gated export is re-priced with a cost model"):
@@ -289,7 +289,7 @@ def test_a_gated_export_runs_in_the_hook_losslessly(gated_gbt, tmp_path):
             return self.rt.decide(x)
 
     rec = Recording()
-    with attach(target, rec, compression="nf4", mode="gated", feature_set="gated", max_gamma=8) as h:
+    with attach(target, rec, compression="nf4", mode="gated", feature_set="gated", settings={"max_gamma": 8}) as h:
         out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
     assert torch.equal(out, ref)
     # one gate call per step; a closed gate drafts nothing and asks no head; the head reads every probe

@@ -205,7 +205,9 @@ def test_runtime_features_equal_log_features(mode, feature_set):
         policy = _RecordingGate(rng, seen)
     # repeated tokens, so the context-match signal takes several values
     ids = torch.tensor([[3, 1, 4, 1, 5, 3, 1, 4]])
-    with attach(target, policy, compression="int8", mode=mode, feature_set=feature_set, record_tokens=True) as h:
+    with attach(
+        target, policy, compression="int8", mode=mode, feature_set=feature_set, settings={"record_tokens": True}
+    ) as h:
         target.generate(ids, max_new_tokens=60, do_sample=True, temperature=0.7, assistant_model=draft)
     prompt = Prompt("p", "code", "train", input_ids=(3, 1, 4, 1, 5, 3, 1, 4))
     rows = profiler.stats_to_rows(

@@ -101,8 +101,8 @@ def test_python_engine_follows_repricing_and_live_step_times(exports, synthetic)
     # a repriced gated export: gate priced without the probe, head with it, as the graph does
     path = exports["gbt-gated"]
     Xg = _rows(synthetic, "gated")
-    py = RuntimePolicy(path, engine="python", cost_model=dear_draft)
-    ort = RuntimePolicy(path, engine="onnxruntime", cost_model=dear_draft)
+    py = RuntimePolicy(path, engine="python", costs=dear_draft)
+    ort = RuntimePolicy(path, engine="onnxruntime", costs=dear_draft)
     opened = ort.decide_gated_batch(Xg)[1]
     assert 0.02 < opened.mean() < 0.98, "the check needs both gate outcomes"
     assert [py.decide_gate(r) for r in Xg] == opened.tolist()
@@ -125,7 +125,7 @@ def test_memoised_decisions_follow_every_price_change(name, fs, exports, synthet
         return mine
 
     def graph(cost_model=None, times=None):
-        ort = RuntimePolicy(exports[name], engine="onnxruntime", cost_model=cost_model)
+        ort = RuntimePolicy(exports[name], engine="onnxruntime", costs=cost_model)
         if times is not None:
             ort.set_step_times(times)
         if fs == "gated":

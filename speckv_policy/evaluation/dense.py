@@ -6,7 +6,7 @@ gamma's outcome only at the positions that run stopped at (after each
 verification, ~2 tokens apart). A policy that chooses gamma 0 advances one
 token and decides again at a position the log never visited, and its
 acceptance history stays where its last drafting step left it; replaying the
-log's steps under-counts those plain steps (docs/onednn_quant_steps.md).
+log's steps under-counts those plain steps (docs/design.md).
 
 In greedy decoding the text does not depend on gamma (the target's own greedy
 continuation), and a draft of ``g`` tokens starting after ``k`` generated tokens
@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from ..features import ContextMatcher, OnlineFeatureState, gated_values
+from ..decisions import DecisionMode, PlainDecider, PlainStopDecider, make_mode
+from ..features import ContextMatcher, OnlineFeatureState
 from ..objective import CostModel
 from ..schema import COMPRESSION_CODES
 
@@ -66,8 +67,9 @@ __all__ = [
 #: rule with ``gamma()`` and ``observe(gamma, accepted)``, e.g. the race's SGLang- and vLLM-style
 #: peers, kept across the texts as a server keeps it across requests), or ``'stop'`` (``decide`` is a
 #: :class:`~speckv_policy.stop.StopRule`: after every draft token, keep the best prefix so far and go on while a
-#: longer draft is worth more, as ``attach(..., mode="stop")``; needs :attr:`DenseText.branches`).
-SIMULATED_MODES = ("fixed", "pre", "gated", "upfront", "per-token", "rule", "stop")
+#: longer draft is worth more, as ``attach(..., mode="stop")``; needs :attr:`DenseText.branches`), or
+#: ``'truncate'`` (draft ``max_gamma`` tokens, ``decide(paper_features) -> gamma`` keeps the first ones).
+SIMULATED_MODES = ("fixed", "pre", "gated", "upfront", "per-token", "truncate", "rule", "stop")
 
 
 @dataclass(frozen=True)
@@ -264,8 +266,9 @@ def simulate(
     Parameters
     ----------
     texts : sequence of DenseText
-    mode : {'fixed', 'pre', 'gated', 'upfront', 'per-token', 'rule', 'stop'}
-        See :data:`SIMULATED_MODES`. Upfront and gated steps that read the
+    mode : {'fixed', 'pre', 'gated', 'upfront', 'per-token', 'truncate', 'rule', 'stop'}
+        See :data:`SIMULATED_MODES`; every mode but ``'rule'`` is the hook's own decision mode class
+        (:mod:`speckv_policy.decisions`), driven here as the hook drives it. Upfront and gated steps that read the
         probe token pay for it (one draft token) even when they then choose 0.
         As in the hook, no step drafts more than the tokens left but one (the
         last new token is always the target's own), probe included.
@@ -301,78 +304,48 @@ def simulate(
     if mode == "stop" and not callable(getattr(decide, "begin", None)):
         raise ValueError(f"mode='stop' needs a StopRule, got {decide!r}")
     code = COMPRESSION_CODES[compression]
+    walker = _walker(mode, decide, gate, compression, max_gamma)
     gammas: list[int] = []
     kept: list[int] = []
     per_text: list[tuple[float, float]] = []
     for text in texts:
         tokens = time = 0.0
         state = OnlineFeatureState(compression, temperature)
+        walker.start(state)
         matcher = ContextMatcher()
         ids = list(text.ids)
         k, first, step, synced = 0, True, 0, 0
         while k < text.generated:
             ctx = text.prompt_len + k
-            probe = False
-            drafted = -1  # -1: as many as the step sends (or the probe)
-            if mode == "fixed":
-                g = int(decide(step))
-            elif mode == "rule":
-                g = int(decide.gamma())
-            elif mode == "per-token":
-                g = drafted = 0
-                for i in range(min(max_gamma, text.generated - k - 1)):  # the hook drafts within the budget
-                    token = text.draft_token(k, i)
-                    if token is None:  # the draft proposed its end-of-sequence token: it stops there
-                        break
-                    d = int(decide(state.features(token[0], token[1], ctx + i).tolist()))
-                    drafted = i + 1
-                    if d >= 1:
-                        g = i + 1
-                    if d < 2:
-                        break
-            elif mode == "stop":
-                matcher.extend(ids[synced:ctx])
+            budget = text.generated - k - 1  # the hook never drafts past the last new token
+            match = 0
+            if walker.reads_pre:
+                matcher.extend(ids[synced:ctx])  # the context grows by what the last step kept
                 synced = ctx
-                cap = min(max_gamma, text.generated - k - 1)
-                g = drafted = 0
-                if cap > 0 and not decide.opens(compression, temperature, state.pre_values(ctx, matcher.match_len())):
-                    cap = 0  # the rule's pre-draft gate keeps it a plain step: nothing drafted
-                if cap > 0:
-                    st = decide.begin(compression, temperature, cap, matcher.match_len())
-                    for i in range(cap):
+                match = matcher.match_len()
+                if visited is not None and mode == "pre":
+                    known = min(max_gamma, budget)
+                    visited.append((state.pre_values(ctx, match), min(int(text.run[k]), known), known))
+            cap = walker.plan(step, ctx, match, budget)
+            g = drafted = 0
+            if cap > 0:
+                read: tuple[list[float], list[float]] = ([], [])
+                for i in range(cap):  # the draft loop, as the hook runs it
+                    token = None
+                    if walker.reads_token(i + 1):
                         token = text.draft_token(k, i)
                         if token is None:  # the draft proposed its end-of-sequence token: it stops there
                             break
-                        go = st.after_token(token[0], token[1])
-                        if not go:
-                            break
-                    g, drafted = st.kept, st.drafted
-            elif mode == "upfront":
-                g, probe = int(decide(state.features(text.conf[k], text.entropy[k], ctx).tolist())), True
-            else:
-                matcher.extend(ids[synced:ctx])  # the context grows by what the last step kept
-                synced = ctx
-                pre = state.pre_values(ctx, matcher.match_len())
-                if mode == "pre":
-                    g = int(decide(pre))
-                    if visited is not None:
-                        known = min(max_gamma, text.generated - k - 1)
-                        visited.append((pre, min(int(text.run[k]), known), known))
-                elif gate(gated_values(pre, 0.0, 0.0)):  # type: ignore[misc]  # as the hook asks the gate
-                    g, probe = int(decide(gated_values(pre, text.conf[k], text.entropy[k]))), True
-                else:
-                    g = 0
-            budget = text.generated - k - 1  # the hook never drafts past the last new token
-            g = max(0, min(g, max_gamma, budget))
-            probe = probe and budget > 0
+                        read[0].append(token[0])
+                        read[1].append(token[1])
+                    drafted = i + 1
+                    if walker.asks_per_token and walker.after_token(i + 1, token, ctx + i):
+                        break
+                g = walker.finish(drafted, lambda read=read: read)
             a = min(g, text.run[k]) if g > 0 else 0
-            if g > 0:
-                state.update(g, a)
-            if mode == "rule":
-                decide.observe(g, a)
+            state.update(g, a)
+            walker.end_step(g, a)
             if not first:  # the first step carries the prefill, which no per-step price covers
-                if drafted < 0:
-                    drafted = max(g, 1) if probe else g
                 tokens += a + 1
                 time += float(cost.draft_ms(drafted, code)) + float(cost.verify_ms(g, code))
                 gammas.append(g)
@@ -382,6 +355,33 @@ def simulate(
             step += 1
         per_text.append((tokens, time))
     return _result(gammas, kept, per_text)
+
+
+class _RuleWalker(DecisionMode):
+    """A history rule (``gamma()``, ``observe(gamma, accepted)``) as a mode: the race's peers, kept across texts."""
+
+    name = "rule"
+
+    def plan(self, step: int, context_len: int, match_len: int, budget: int) -> int:
+        self._begin_step()
+        return max(0, min(int(self.decider.gamma()), self.max_gamma, budget))
+
+    def finish(self, drafted: int, tokens: Callable[[], Any]) -> int:
+        return drafted
+
+    def end_step(self, gamma: int, accepted: int) -> None:
+        self.decider.observe(gamma, accepted)
+
+
+def _walker(mode: str, decide: Any, gate: Any, compression: str, max_gamma: int) -> DecisionMode:
+    """The hook's own decision mode for ``mode`` (a history rule for ``'rule'``), asking ``decide``."""
+    if mode == "rule":
+        return _RuleWalker(decide, compression, max_gamma)
+    if mode == "fixed":
+        return make_mode(mode, decide, compression, max_gamma)
+    if mode == "stop":
+        return make_mode(mode, PlainStopDecider(decide, max_gamma), compression, max_gamma)
+    return make_mode(mode, PlainDecider(decide, gate, max_gamma=max_gamma), compression, max_gamma)
 
 
 def _result(gammas: list[int], kept: list[int], per_text: list[tuple[float, float]]) -> DenseResult:

@@ -8,14 +8,17 @@ Importing this package checks the installed transformers against the range the
 hook was tested on (:mod:`speckv_policy.hf._compat`).
 """
 
+from ..settings import HookSettings
+from .candidates import SpeckvCandidateGenerator
 from .fast_draft import LlamaDecodeStep, decode_step_blocker
-from .hook import MODES, SpeckvCandidateGenerator, SpeckvHandle, StepStats, attach, detect_compression
+from .hook import MODES, SpeckvHandle, StepStats, attach, detect_compression
 from .live_costs import LiveCosts
 from .models import quiet_int8_cast_log
 from .onednn import use_onednn_linear
 
 __all__ = [
     "attach",
+    "HookSettings",
     "detect_compression",
     "LiveCosts",
     "SpeckvHandle",

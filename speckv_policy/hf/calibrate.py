@@ -8,7 +8,7 @@ measures exactly what generation pays per step: the draft call (fixed part and
 per token) and the verification of ``gamma + 1`` tokens. The result is a
 :class:`~speckv_policy.objective.CostModel`, fitted like a profile's
 (:meth:`CostModel.fit`), that re-prices any export
-(``RuntimePolicy(path, cost_model=...)``, ``speckv-export --reprice``).
+(``RuntimePolicy(path, costs=...)``, ``speckv-export --reprice``).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def calibrate(
         def generate(
             ids: torch.Tensor, target: Any = target, gamma_fn: Callable[[int], int] = gamma_fn, comp: str = comp
         ) -> list:
-            with attach(target, None, compression=comp, mode="fixed", gamma_fn=gamma_fn) as h, torch.no_grad():
+            with attach(target, gamma_fn, compression=comp, mode="fixed") as h, torch.no_grad():
                 target.generate(
                     ids, assistant_model=draft, max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad
                 )

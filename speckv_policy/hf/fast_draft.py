@@ -3,7 +3,7 @@
 A draft token of a small draft is mostly fixed cost: besides its arithmetic,
 transformers' ``LlamaForCausalLM`` forward builds masks and position
 embeddings, updates its cache object and dispatches seven projections per
-layer (what the step saves end to end: docs/benchmarks.md, "Lean hook"). The
+layer (what the step saves end to end: docs/design.md). The
 step runs the same arithmetic with
 less around it: the query, key and value projections as one matrix product and
 the gate and up projections as another (the weights concatenated once, rows
@@ -81,7 +81,8 @@ def decode_step_blocker(model: Any) -> str | None:
     if type(model.model.norm) is not ml.LlamaRMSNorm:
         return "final norm other than LlamaRMSNorm"
     for name, module in model.named_modules():
-        if module._forward_hooks or module._forward_pre_hooks:  # they must see the forward calls they hook
+        # torch keeps a module's hooks in private dicts (no public getter); hooks must see the forward calls they hook
+        if module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001
             return f"forward hooks on {name or 'the model'}"
     for i, layer in enumerate(model.model.layers):
         if type(layer) is not ml.LlamaDecoderLayer:
@@ -147,7 +148,8 @@ class _Weights:
 
 
 def _signature(model: Any) -> tuple[int, ...]:
-    return tuple(x for p in model.parameters() for x in (p.data_ptr(), p._version))
+    # a tensor's version counter (bumped by every in-place write) has no public getter
+    return tuple(x for p in model.parameters() for x in (p.data_ptr(), p._version))  # noqa: SLF001
 
 
 def _weights(model: Any) -> _Weights:

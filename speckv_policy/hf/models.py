@@ -168,7 +168,7 @@ def load_model(
     INT8 and NF4 go through bitsandbytes (CPU or CUDA); full precision casts
     to the named dtype. ``llm_int8_threshold`` overrides bitsandbytes' outlier
     threshold (6.0); a huge value switches outlier decomposition off, which
-    makes INT8 verification batch-invariant (see docs/hf_hook.md). Loading an
+    makes INT8 verification batch-invariant (see docs/reference/hook.md). Loading an
     INT8 model silences bitsandbytes' per-call cast warning
     (:func:`quiet_int8_cast_log`). Extra keywords go to ``from_pretrained``
     (e.g. ``gguf_file``).

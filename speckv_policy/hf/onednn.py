@@ -7,7 +7,7 @@ costs ~43 ms for one token and 61-84 ms for 2-9 (+44-97%, not monotone in the
 count), so a multi-token verification eats most of what speculation saves.
 The same layers with their weights pre-packed for oneDNN (``Tensor.to_mkldnn``)
 cost ~31 ms for one token and 38-46 ms for 2-9
-(``python benchmarks/verify_cost.py``; docs/onednn.md).
+(``python benchmarks/verify_cost.py``; docs/user_guide.md).
 
 Each layer runs oneDNN's fused linear (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own CPU compiler emits for a linear layer, on a weight reordered
@@ -49,6 +49,17 @@ __all__ = [
     "use_onednn_linear",
 ]
 
+
+# oneDNN's fused linear and its weight reorder, as torch's operator registry names them (a leading underscore:
+# CPU-build operators without a public wrapper), looked up at call time (builds without them fail there, checked)
+def _linear_pointwise(*args: Any) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(*args)  # noqa: SLF001
+
+
+def _reorder_linear_weight(*args: Any) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(*args)  # noqa: SLF001
+
+
 #: What ``--target-linear`` accepts: torch's own layers, or :func:`use_onednn_linear`.
 LINEAR_BACKENDS = ("default", "onednn")
 
@@ -77,8 +88,8 @@ def fused_linear_available(dtype: torch.dtype = torch.float32) -> bool:
         gen = torch.Generator().manual_seed(0)
         w, b, x = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((24, 16), (24,), (2, 3, 16)))
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            packed = _reorder_linear_weight(w, None)
+            got = _linear_pointwise(x, packed, b, "none", [], "")
             want = torch.nn.functional.linear(x, w, b)
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         return bool(got.shape == (2, 3, 24) and got.dtype == dtype and torch.allclose(got, want, rtol=tol, atol=tol))
@@ -127,16 +138,14 @@ class OneDNNLinear(torch.nn.Module):
         with torch.no_grad():  # plain attributes, not buffers: state_dict() and .to() never see oneDNN tensors
             weight = w.detach()
             # one packed copy: the fused op's reordered weight also serves the conversions' path
-            self.packed_weight = (
-                torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.fused else weight.to_mkldnn()
-            )
+            self.packed_weight = _reorder_linear_weight(weight, None) if self.fused else weight.to_mkldnn()
             self.bias = None if linear.bias is None else linear.bias.detach().clone()
             self.packed_bias = None if self.bias is None else self.bias.to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T + bias`` over the last dimension (any leading shape)."""
         if self.fused and not (x.requires_grad and torch.is_grad_enabled()):  # the op has no autograd kernel
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return _linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
         y = torch.nn.functional.linear(rows, self.packed_weight, self.packed_bias).to_dense()

@@ -165,7 +165,7 @@ class UnitProfiler:
         ids = torch.tensor([encode_prompt(p, self.tokenizer)], device=cfg.device)
         torch.manual_seed(unit_seed)
         sampling = dec == "sampling"
-        with attach(target, None, compression=comp, mode="fixed", gamma_fn=gamma_fn, record_tokens=True) as h:
+        with attach(target, gamma_fn, compression=comp, mode="fixed", settings={"record_tokens": True}) as h:
             target.generate(
                 ids,
                 assistant_model=self.draft,

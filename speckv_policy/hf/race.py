@@ -2,7 +2,7 @@
 
 :func:`run_race` times every arm on every prompt, interleaved, at each
 compression level and decoding, checks greedy outputs against the target's own,
-and returns the raw runs with their summary and goals.
+and returns the raw runs with their summary.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..evaluation.race import HF_FIELDS, NEAR_TIE, ArmSpec, goals, summarize_runs
+from ..evaluation.race import HF_FIELDS, NEAR_TIE, ArmSpec, summarize_runs
 from ..prompts import Prompt, encode_prompt
 from .fast_draft import decode_step_blocker
 from .hook import attach
@@ -84,7 +84,7 @@ def run_once(
             holder["seen"] = len(stats)
             return int(rule.gamma())
 
-        handle = attach(target, None, compression=compression, mode="fixed", gamma_fn=gamma_fn)
+        handle = attach(target, gamma_fn, compression=compression, mode="fixed")
         holder["handle"] = handle
     elif arm.policy is not None:
         handle = attach(
@@ -92,10 +92,9 @@ def run_once(
             arm.policy,
             compression=compression,
             mode=arm.mode,
-            max_gamma=8,
             feature_set="online" if callable(arm.policy) else None,
-            probe_backoff=arm.backoff,
             costs=costs,
+            settings={"max_gamma": 8, "probe_backoff": arm.backoff},
         )
     try:
         t0 = stopwatch()
@@ -279,7 +278,6 @@ def run_race(
         "mismatches": mismatches,
         "runs": [{k: v for k, v in r.items() if k != "output"} for r in runs],
     }
-    result["goals"] = goals(result)
     return result
 
 

@@ -109,7 +109,7 @@ class GammaPolicy:
         every row as full precision.
     """
 
-    _common_constraints: dict[str, list[Any]] = {
+    common_parameter_constraints: dict[str, list[Any]] = {
         "candidates": ["array-like"],
         "objective": [StrOptions(set(OBJECTIVES))],
         "cost_model": [CostModel, None],
@@ -280,7 +280,19 @@ class GammaPolicy:
         tokens per step, by ``objective``; higher is better, so it can drive
         ``GridSearchCV`` directly.
         """
-        return objective_scorer(self.objective, None)(self, X, y)
+        return self.realized_objective(X, y)
+
+    def realized_objective(self, X: Any, y: Any, objective: str | None = None, cost_model: Any = None) -> float:
+        """Counterfactual ``objective`` (default: the policy's own) of ``predict(X)`` on logged outcomes ``y``.
+
+        ``cost_model`` prices it (default: the policy's own). See :meth:`score`.
+        """
+        check_is_fitted(self)
+        Xv = self._prepare_X(X, reset=False)
+        acc, drafted = self._split_targets(y, Xv.shape[0], self.max_gamma_)
+        chosen = self.candidates_[np.argmax(self._values(Xv)["objective"], axis=1)]
+        cm = cost_model if cost_model is not None else self.cost_model_
+        return realized_throughput(chosen, acc, drafted, self._codes(Xv), cm, objective or self.objective)
 
     def __sklearn_tags__(self):  # type: ignore[no-untyped-def]
         tags = super().__sklearn_tags__()  # type: ignore[misc]
@@ -305,12 +317,7 @@ def objective_scorer(
         raise ValueError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}")
 
     def scorer(policy: GammaPolicy, X: Any, y: Any) -> float:
-        check_is_fitted(policy)
-        Xv = policy._prepare_X(X, reset=False)
-        acc, drafted = policy._split_targets(y, Xv.shape[0], policy.max_gamma_)
-        chosen = policy.candidates_[np.argmax(policy._values(Xv)["objective"], axis=1)]
-        cm = cost_model if cost_model is not None else policy.cost_model_
-        return realized_throughput(chosen, acc, drafted, policy._codes(Xv), cm, objective)
+        return policy.realized_objective(X, y, objective, cost_model)
 
     return scorer
 

@@ -41,9 +41,9 @@ class FixedGammaPolicy(GammaPolicy, BaseEstimator):
 
     _parameter_constraints: dict = {
         "gamma": [Interval(Integral, 0, 32, closed="both")],
-        "objective": GammaPolicy._common_constraints["objective"],
-        "cost_model": GammaPolicy._common_constraints["cost_model"],
-        "feature_set": GammaPolicy._common_constraints["feature_set"],
+        "objective": GammaPolicy.common_parameter_constraints["objective"],
+        "cost_model": GammaPolicy.common_parameter_constraints["cost_model"],
+        "feature_set": GammaPolicy.common_parameter_constraints["feature_set"],
     }
 
     def __init__(
@@ -115,7 +115,7 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
     """
 
     _parameter_constraints: dict = {
-        **GammaPolicy._common_constraints,
+        **GammaPolicy.common_parameter_constraints,
         "max_iter": [Interval(Integral, 1, None, closed="left")],
         "random_state": ["random_state"],
     }

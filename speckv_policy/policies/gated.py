@@ -66,7 +66,7 @@ class GatedPolicy(GammaPolicy, BaseEstimator):
     """
 
     _parameter_constraints: dict = {
-        **GammaPolicy._common_constraints,
+        **GammaPolicy.common_parameter_constraints,
         "gate": [GammaPolicy, None],
         "head": [GammaPolicy, None],
     }

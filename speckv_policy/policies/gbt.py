@@ -61,7 +61,7 @@ class GBTPolicy(GammaPolicy, BaseEstimator):
     """
 
     _parameter_constraints: dict = {
-        **GammaPolicy._common_constraints,
+        **GammaPolicy.common_parameter_constraints,
         "max_iter": [Interval(Integral, 1, None, closed="left")],
         "learning_rate": [Interval(Real, 0, None, closed="neither")],
         "max_leaf_nodes": [Interval(Integral, 2, None, closed="left")],

@@ -57,7 +57,7 @@ class MLPPolicy(GammaPolicy, BaseEstimator):
     """
 
     _parameter_constraints: dict = {
-        **GammaPolicy._common_constraints,
+        **GammaPolicy.common_parameter_constraints,
         "hidden_layer_sizes": ["array-like"],
         "alpha": [Interval(Real, 0, None, closed="left")],
         "learning_rate": [Interval(Real, 0, None, closed="neither")],

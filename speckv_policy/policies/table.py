@@ -77,7 +77,7 @@ class TablePolicy(GammaPolicy, BaseEstimator):
     """
 
     _parameter_constraints: dict = {
-        **GammaPolicy._common_constraints,
+        **GammaPolicy.common_parameter_constraints,
         "binned_features": ["array-like", None],
         "n_bins": [Interval(Integral, 1, None, closed="left")],
         "smoothing": [Interval(Real, 0, None, closed="left")],
