@@ -1,7 +1,7 @@
 """Generation replayed at every position, set beside a race: a faithful offline evaluator, greedy or sampling.
 
 Usage:
-    python benchmarks/dense_replay.py [--race docs/onednn_quant_steps.json] [--costs docs/onednn_quant_costs.json]
+    python benchmarks/dense_replay.py [--race benchmarks/runs/quant_steps.json] [--costs benchmarks/runs/quant_costs.json]
         [--all-heldout] [--decoding greedy|sampling] [--replications 16]
 
 For each compression level of the race (or ``--compressions``) and each of its held-out prompts, the target writes
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from speckv_policy.cli.common import add_target_linear_argument, export_arm_pairs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--race", default="docs/onednn_quant_steps.json", help="a benchmarks/e2e.py --out JSON")
-    ap.add_argument("--costs", default="docs/onednn_quant_costs.json", help="calibration every arm is priced with")
+    ap.add_argument("--race", default="benchmarks/runs/quant_steps.json", help="a benchmarks/e2e.py --out JSON")
+    ap.add_argument("--costs", default="benchmarks/runs/quant_costs.json", help="calibration every arm is priced with")
     ap.add_argument("--log", default="datasets/smollm2/steps.parquet", help="step log for the step-log replay")
     ap.add_argument("--prompts", default="datasets/prompts/prompts.jsonl")
     ap.add_argument("--compressions", default=None, help="default: the race's")

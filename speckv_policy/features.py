@@ -97,7 +97,7 @@ def draft_token_stats_one(logits: Any) -> tuple[float, float]:
     copy of the scores (one max, one exp, two sums; no softmax, no log per
     entry, no BLAS call), which right after the draft's forward pass is
     cheaper than torch's softmax and ``xlogy`` (the stop rule's decision per
-    draft token: -19%, docs/stop.md). Equal to the matching row of
+    draft token: -19%, docs/design.md). Equal to the matching row of
     :func:`draft_token_stats_from_logits`.
 
     Parameters
@@ -337,7 +337,7 @@ class OnlineFeatureState:
         """:meth:`pre_features` as a list of Python floats (not yet rounded to float32).
 
         What the runtime's Python engine reads inside generation, where numpy's
-        calls run cold right after a forward pass (docs/benchmarks.md).
+        calls run cold right after a forward pass (docs/design.md).
         """
         accepted, gamma, acc = self.prev_accepted, self.prev_gamma, self.ema_acc
         # (no float() of what is a float already, ema_rate inline: each call and lookup starts cold here)

@@ -3,7 +3,7 @@
 Inside generation a decision runs right after a forward pass that streamed the
 model's weights through the caches; onnxruntime's code is then cold and a call
 costs ~230-340 us on a 2-core CPU even for a graph that returns a constant,
-against ~15-45 us hot (docs/benchmarks.md). The Python interpreter's own code
+against ~15-45 us hot (docs/design.md). The Python interpreter's own code
 stays hot, so the same arithmetic written as a few C-level operations on Python
 ints, bytes and arrays touches far less cold memory.
 

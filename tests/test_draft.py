@@ -10,8 +10,6 @@ from speckv_policy.prompts import Prompt
 from speckv_policy.smollm2.distill import generate_corpus, train_draft
 from speckv_policy.smollm2.draft_model import PrunedHead, load_draft, save_draft
 
-from .conftest import run_benchmark, table_rows
-
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -124,54 +122,3 @@ def test_copy_gate_is_fitted_on_validation_answers_and_shipped(corpus, tmp_path,
         assert len(err) == 1 and err[0].startswith("speckv-distill: error:") and msg in err[0]
     assert json.loads((tmp_path / "d" / "draft.json").read_text()) == shipped  # refused runs change nothing
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["draft.json", "draft.safetensors"]  # no temp file
-
-
-def test_acceptance_probe_benchmark_scores_the_shipped_draft(tmp_path):
-    """benchmarks/acceptance_probe.py on a small corpus of real answers: its label is the draft's greedy agreement
-    as ``distill.agreement`` measures it (another code path), its models are scored, and the temperature table
-    holds expected acceptances."""
-    from speckv_policy.smollm2.distill import agreement
-    from speckv_policy.smollm2.draft_model import head_slots
-
-    prompts = [
-        Prompt("t1", "code", "train", text="Write a Python function that returns the largest item of a list."),
-        Prompt("t2", "math", "train", text="A shop sells 3 pens for 4 dollars. How much do 12 pens cost?"),
-        Prompt("t3", "chat", "train", text="Give me three tips for sleeping better."),
-        Prompt("h1", "code", "heldout", text="Write a Python function that reverses a string."),
-        Prompt("h2", "summarization", "heldout", text="Summarize: The cat sat on the mat. The cat was happy."),
-    ]
-    corpus = generate_corpus(prompts, samples=1, max_new_tokens=24, batch_size=8, progress=False)
-    torch.save(corpus, tmp_path / "c.pt")
-    out = run_benchmark("acceptance_probe.py", "--corpus", str(tmp_path / "c.pt"), "--positions", "24")
-    draft = load_draft("datasets/smollm2/draft")
-    held = [i for i, s in enumerate(corpus["split"]) if s == "heldout"]
-    want = agreement(draft, corpus, held, head_slots(draft))["overall"]
-    assert f"the draft's top token is the target's at {want:.3f} of held-out positions" in out
-    models = [r for r in table_rows(out, "curve inputs") if len(r) == 4]  # the first table's rows
-    assert len(models) == 4 and all(0.0 <= float(r[1]) <= 1.0 and float(r[2]) > 0 for r in models)
-    temps = table_rows(out, "0.5", "0.6", "0.7", "0.8", "1")
-    assert [r[0] for r in temps] == ["0.5", "0.6", "0.7", "0.8", "1"]
-    assert all(0.0 < float(v) <= 1.0 for r in temps for v in r[1:])
-
-
-def test_acceptance_probe_benchmark_names_a_file_that_is_not_a_corpus(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    for name, write in (("junk.pt", lambda p: p.write_bytes(b"not a torch file")), ("other.pt", None)):
-        path = tmp_path / name
-        if write is None:
-            torch.save({"ids": []}, path)
-        else:
-            write(path)
-        proc = subprocess.run(
-            [sys.executable, str(root / "benchmarks" / "acceptance_probe.py"), "--corpus", str(path)],
-            capture_output=True,
-            text=True,
-            cwd=root,
-            timeout=300,
-        )
-        assert proc.returncode != 0 and f"{path}: not a speckv-distill corpus" in proc.stderr
-    assert "missing start, topk_ids" in proc.stderr

@@ -223,14 +223,13 @@ def test_speckv_eval_takes_joblib_policies_and_matches_onnx(synthetic, tmp_path,
 @pytest.mark.parametrize(
     "report, costs, decide",
     [
-        ("eval", None, None),
-        ("eval_onednn", "docs/onednn_costs.json", None),
-        ("eval_stale", "docs/onednn_nf4_sampling_stop_costs.json", "docs/onednn_quant_costs.json"),
+        ("eval.json", None, None),
+        ("eval_onednn.json", "benchmarks/runs/onednn_costs.json", None),
     ],
 )
 def test_shipped_eval_report_matches_the_shipped_log_and_policies(tmp_path, report, costs, decide):
-    """docs/eval*/eval.json must be what `speckv-eval` computes from what ships (point estimates)."""
-    shipped = json.loads((ROOT / "docs" / report / "eval.json").read_text())
+    """benchmarks/runs/offline/*.json must be what `speckv-eval` computes from what ships (point estimates)."""
+    shipped = json.loads((ROOT / "benchmarks" / "runs" / "offline" / report).read_text())
     out = tmp_path / "eval"
     policies = [str(ROOT / p) for p in shipped["policies"].values()]
     priced = ["--costs", str(ROOT / costs)] if costs else []

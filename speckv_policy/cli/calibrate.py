@@ -39,20 +39,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="smollm2", help="target model folder, or 'smollm2' (default)")
     p.add_argument("--draft", default="datasets/smollm2/draft", help="draft model folder (default: the shipped one)")
     p.add_argument("--prompts", default="datasets/prompts/prompts.jsonl", help="JSON-lines prompt file")
-    p.add_argument("--compressions", default="fp32,int8,nf4")
+    p.add_argument(
+        "--compressions", default="fp32,int8,nf4", help="comma-separated target levels to time (default fp32,int8,nf4)"
+    )
     p.add_argument(
         "--seconds",
         type=_positive,
         default=90.0,
         help="timing budget over all levels (default 90: about 2 minutes with model loading)",
     )
-    p.add_argument("--gamma-max", type=int_at_least(1), default=8)
-    p.add_argument("--max-new-tokens", type=int_at_least(4), default=48)
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--gamma-max", type=int_at_least(1), default=8, help="time verifications of 0..N draft tokens (default 8)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int_at_least(4), default=48, help="new tokens per timed generation (default 48)"
+    )
+    p.add_argument("--device", default="cpu", help="torch device the models run on: cpu (default) or cuda[:N]")
     add_draft_precision_argument(p)
     add_target_linear_argument(p)
     add_draft_linear_argument(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the order the gammas are timed in (default 0)")
     args = p.parse_args(argv)
     exit_cleanly_on_sigterm()
 

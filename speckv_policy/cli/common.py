@@ -51,7 +51,7 @@ def add_draft_linear_argument(parser: argparse.ArgumentParser) -> None:
         choices=TARGET_LINEAR_CHOICES,
         default="default",
         help="the draft's bf16 / float32 linear layers on CPU: torch's own (default) or oneDNN's fused linear "
-        "(onednn: each draft token costs less; docs/onednn.md)",
+        "(onednn: each draft token costs less; docs/user_guide.md)",
     )
 
 
@@ -62,7 +62,7 @@ def add_target_linear_argument(parser: argparse.ArgumentParser) -> None:
         choices=TARGET_LINEAR_CHOICES,
         default="default",
         help="the target's float32 linear layers on CPU: torch's own (default) or oneDNN's fused linear (onednn: "
-        "every forward costs less, a multi-token verification most; docs/onednn.md)",
+        "every forward costs less, a multi-token verification most; docs/user_guide.md)",
     )
 
 

@@ -1,6 +1,6 @@
 """``speckv-distill``: build the distilled SmolLM2 draft (prompts, corpus, train, copy gate, cost, eval).
 
-See ``docs/draft.md`` and ``datasets/smollm2/build.sh`` for the commands in order.
+See ``docs/reference/draft.md`` and ``datasets/smollm2/build.sh`` for the commands in order.
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="speckv-distill", description="Distil a draft for SmolLM2-135M-Instruct.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(
+        dest="cmd", required=True, help="the step to run (datasets/smollm2/build.sh runs them in order)"
+    )
     g = sub.add_parser(
         "prompts",
         help="template prompts for distillation (training only; the target writes the summarization passages)",
@@ -121,26 +123,26 @@ def _main(argv: list[str] | None = None) -> int:
         default="datasets/prompts/prompts.jsonl",
         help="prompt file whose held-out prompts must not be repeated",
     )
-    g.add_argument("--out", required=True)
-    g.add_argument("--per-task", type=int, default=220)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", required=True, help="JSON-lines prompt file to write")
+    g.add_argument("--per-task", type=int, default=220, help="prompts per task type (default 220)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the templates' fillers (default 0)")
     c = sub.add_parser("corpus", help="let the target answer the prompts; record its top-k distributions")
-    c.add_argument("--prompts", required=True)
-    c.add_argument("--out", required=True)
+    c.add_argument("--prompts", required=True, help="JSON-lines prompt file to answer")
+    c.add_argument("--out", required=True, help="corpus file to write (resumable)")
     c.add_argument("--samples", type=int, default=4, help="answers per training prompt (1 greedy + sampled)")
-    c.add_argument("--max-new-tokens", type=int, default=160)
-    c.add_argument("--batch-size", type=int, default=16)
-    c.add_argument("--dtype", default="bf16")
-    c.add_argument("--temperature", type=float, default=0.8)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-new-tokens", type=int, default=160, help="new tokens per answer (default 160)")
+    c.add_argument("--batch-size", type=int, default=16, help="prompts answered per batch (default 16)")
+    c.add_argument("--dtype", default="bf16", help="dtype the target answers in (default bf16)")
+    c.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers (default 0.8)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the sampled answers (default 0)")
     c.add_argument("--sampled-only", action="store_true", help="no greedy answers (for an extra corpus)")
     t = sub.add_parser("train", help="train the draft on a corpus")
     t.add_argument("--corpus", required=True, help="corpus file(s), comma-separated")
-    t.add_argument("--out", required=True)
-    t.add_argument("--minutes", type=float, default=28.0)
-    t.add_argument("--layers", default="0,1")
-    t.add_argument("--head-size", type=int, default=8192)
-    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--out", required=True, help="draft folder to write")
+    t.add_argument("--minutes", type=float, default=28.0, help="training time budget (default 28)")
+    t.add_argument("--layers", default="0,1", help="target layers the draft starts from, comma-separated (default 0,1)")
+    t.add_argument("--head-size", type=int, default=8192, help="tokens of the reduced output head (default 8192)")
+    t.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     t.add_argument(
         "--val-fraction",
         type=float,
@@ -154,17 +156,17 @@ def _main(argv: list[str] | None = None) -> int:
         "prompts select the checkpoint",
     )
     k = sub.add_parser("cost", help="ms per generated token: draft vs target (fp32, CPU)")
-    k.add_argument("--draft", required=True)
-    k.add_argument("--tokens", type=int, default=32)
+    k.add_argument("--draft", required=True, help="draft folder")
+    k.add_argument("--tokens", type=int, default=32, help="tokens generated per timing (default 32)")
     k.add_argument("--no-copy", action="store_true", help="time the draft without its context-copy gate")
     k.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="the draft's dtype")
     cp = sub.add_parser("copy", help="fit the draft's context-copy gate on its validation answers (updates draft.json)")
     cp.add_argument("--corpus", required=True, help="corpus file(s) with the validation and held-out answers")
-    cp.add_argument("--draft", required=True)
-    cp.add_argument("--max-match", type=int, default=8)
+    cp.add_argument("--draft", required=True, help="draft folder whose draft.json gets the gate")
+    cp.add_argument("--max-match", type=int, default=8, help="longest context match the gate reads (default 8)")
     e = sub.add_parser("eval", help="held-out greedy agreement of a shipped draft")
-    e.add_argument("--corpus", required=True)
-    e.add_argument("--draft", required=True)
+    e.add_argument("--corpus", required=True, help="corpus file(s) with the held-out answers")
+    e.add_argument("--draft", required=True, help="draft folder")
     args = p.parse_args(argv)
     exit_cleanly_on_sigterm()
     for path in (getattr(args, "corpus", None) or "").split(","):

@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f".onnx exports or joblib-saved policies (default {DEFAULT_POLICIES}); globs allowed",
     )
-    ap.add_argument("--out", default="docs/eval", help="output folder (default docs/eval)")
+    ap.add_argument("--out", default="out/eval", help="output folder (default out/eval)")
     ap.add_argument("--bootstrap", type=int_at_least(1), default=10_000, help="bootstrap resamples (default 10000)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples (default 0)")
     ap.add_argument("--max-gamma", type=int_at_least(1), default=8, help="outcomes known up to this gamma (default 8)")
     ap.add_argument(
         "--decision-draft-tokens",
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DECODINGS",
         help="evaluate only these decodings of the log (comma-separated: greedy, sampling; default both)",
     )
-    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-plots", action="store_true", help="write eval.md and eval.json only, no PNG plots")
     ap.add_argument(
         "--trust-pickle",
         action="store_true",

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gate",
         action="store_true",
         help="with --stop-rule: also fit a pre-draft gate per compression and decoding, which keeps a step plain "
-        "(no probe token) where drafting does not pay in expectation under the rule's prices (docs/stop.md: on the "
+        "(no probe token) where drafting does not pay in expectation under the rule's prices (docs/design.md: on the "
         "shipped profile it gains at most 1%%, so it is off by default)",
     )
     p.add_argument(

@@ -37,18 +37,39 @@ def main(argv: list[str] | None = None) -> int:
         help="step log to create or resume: a .parquet file, or a log dataset directory (a path without suffix: "
         "one Parquet part per finished prompt run, partitioned by compression)",
     )
-    p.add_argument("--compressions", default="fp32,int8,nf4")
-    p.add_argument("--decodings", default="greedy,sampling")
-    p.add_argument("--gamma-max", type=int_at_least(1), default=8)
-    p.add_argument("--calibration-fraction", type=float_in(0.0, 1.0), default=0.15)
+    p.add_argument(
+        "--compressions",
+        default="fp32,int8,nf4",
+        help="comma-separated target levels to profile (default fp32,int8,nf4)",
+    )
+    p.add_argument(
+        "--decodings", default="greedy,sampling", help="comma-separated decodings: greedy, sampling (default both)"
+    )
+    p.add_argument(
+        "--gamma-max",
+        type=int_at_least(1),
+        default=8,
+        help="tokens drafted per profiling step: every gamma up to it can be scored offline (default 8)",
+    )
+    p.add_argument(
+        "--calibration-fraction",
+        type=float_in(0.0, 1.0),
+        default=0.15,
+        help="share of steps that draft a random gamma in 0..gamma-max, so the cost model sees every gamma (default 0.15)",
+    )
     p.add_argument("--fixed-gammas", default="", help="also run constant gammas, e.g. 2,4,6,8 (the paper's runs)")
-    p.add_argument("--max-new-tokens", type=int_at_least(2), default=64)
-    p.add_argument("--temperature", type=float_in(0.0, 100.0, low_open=True), default=0.7)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-new-tokens", type=int_at_least(2), default=64, help="new tokens per answer (default 64)")
+    p.add_argument(
+        "--temperature",
+        type=float_in(0.0, 100.0, low_open=True),
+        default=0.7,
+        help="sampling temperature of the sampling runs (default 0.7)",
+    )
+    p.add_argument("--device", default="cpu", help="torch device the models run on: cpu (default) or cuda[:N]")
     add_draft_precision_argument(p)
     add_target_linear_argument(p)
     add_draft_linear_argument(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling and of the calibration gammas (default 0)")
     p.add_argument("--tag", default="profile", help="prefix of run ids")
     p.add_argument("--limit", type=int_at_least(1), help="profile only the first N prompts")
     p.add_argument("--stride", type=int_at_least(1), default=1, help="profile every N-th prompt (a spread subset)")

@@ -15,9 +15,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a SYNTHETIC step log with a known acceptance process.",
     )
     p.add_argument("output", help=".parquet or .csv path (written atomically)")
-    p.add_argument("--prompts", type=int, default=80)
+    p.add_argument("--prompts", type=int, default=80, help="synthetic prompt runs to generate (default 80)")
     p.add_argument("--steps", type=int, default=30, help="steps per prompt and compression level")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seed of the synthetic acceptance process (default 1)")
     args = p.parse_args(argv)
     log, _ = generate_synthetic_log(n_prompts=args.prompts, steps_per_prompt=args.steps, seed=args.seed)
     if args.output.endswith(".csv"):

@@ -13,7 +13,7 @@ final norm, the head and its token ids) in fp16; :func:`load_draft` rebuilds
 the draft from them and the target's embedding, with the context-copy gate
 from ``draft.json`` (:mod:`speckv_policy.smollm2.context_copy`).
 
-Commands (see ``docs/draft.md``)::
+Commands (see ``docs/reference/draft.md``)::
 
     speckv-distill corpus  --prompts datasets/prompts/prompts.jsonl --out corpus.pt
     speckv-distill train   --corpus corpus.pt --out datasets/smollm2/draft --fit-prefix gen-

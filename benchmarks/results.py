@@ -1,0 +1,235 @@
+"""Render the results page from the races of record: ``docs/results.md``, ``docs/results.json`` and README's table.
+
+    python benchmarks/results.py            # rewrite docs/results.{md,json} and the table in README.md
+    python benchmarks/results.py --check    # exit 1 if any of them differs from what the runs say
+
+The races of record are listed in ``benchmarks/runs/record.json`` (each one a ``benchmarks/e2e.py --out`` JSON
+with every run it timed). Every figure is recomputed from those runs (medians of paired per-prompt ratios, paired
+bootstrap 95% CIs over prompts, as the race reports them). The recommended policy is chosen here, by measurement:
+of our arms raced in every block (compression x decoding), the one with the highest geometric mean speed-up over
+the target alone across the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from speckv_policy.evaluation.race import PEER_RULES, summarize_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "benchmarks" / "runs"
+#: What each of our race arms runs (the ``-repriced`` arms re-price the file with the day's calibration).
+ARM_FILES = {
+    "gbt-gated": "exported/smollm2-gbt-gated.onnx",
+    "table-gated": "exported/smollm2-table-gated.onnx",
+    "table-pre": "exported/smollm2-table-pre.onnx",
+    "gbt-pre": "exported/smollm2-gbt-pre.onnx",
+    "stop": "exported/smollm2-stop.json",
+}
+BLOCK_ORDER = [(c, d) for d in ("greedy", "sampling") for c in ("fp32", "int8", "nf4")]
+README_START = "<!-- results:start (python benchmarks/results.py writes this table) -->"
+README_END = "<!-- results:end -->"
+
+
+def short_machine(line: str, note: str | None = None) -> str:
+    """``Intel(R) Xeon(R) Processor, 2 threads`` from a race's machine line, or the record's note where the race
+    predates recording the CPU."""
+    m = re.match(r"(\S+) (.*?)\s*(\d+) CPU threads", line)
+    if not m:
+        return line.split(",")[0]
+    cpu = m.group(2).strip() or (note.split(" (")[0] + "*" if note else "CPU not recorded")
+    return f"{cpu}, {m.group(3)} threads"
+
+
+def _ours(arm: str) -> bool:
+    return arm != "target" and not arm.startswith("fixed-") and arm not in PEER_RULES
+
+
+def _file_of(arm: str) -> str:
+    base = arm.removesuffix("-repriced").removesuffix("-live")
+    return ARM_FILES.get(base, "?")
+
+
+def _ci(v: dict[str, Any], key: str) -> dict[str, Any]:
+    ci = v.get(key + "_ci")
+    return {"ratio": round(v[key], 4), "ci": [round(ci[0], 4), round(ci[1], 4)] if ci else None}
+
+
+def collect(record: dict[str, Any]) -> dict[str, Any]:
+    """Every block's figures from the races of record (the latest race that ran a block is its run of record)."""
+    blocks: dict[tuple[str, str], dict[str, Any]] = {}
+    for entry in record["runs"]:  # oldest first: a later race replaces an earlier one's blocks
+        race = json.loads((RUNS / entry["file"]).read_text())
+        summary = summarize_runs(race["runs"], race["arms"])
+        for key, cell in summary.items():
+            comp, dec, task = key.split("/")
+            if task != "all":
+                continue
+            blocks[(comp, dec)] = {
+                "compression": comp,
+                "decoding": dec,
+                "run": entry["file"],
+                "date": entry["date"],
+                "commit": entry["commit"],
+                "machine": race["machine"],
+                "cpu_note": entry.get("cpu"),
+                "command": race["command"],
+                "prompts": cell["runs_per_arm"],
+                "best_fixed": cell["best_fixed"],
+                "best_peer": cell["best_peer"],
+                "arms": {
+                    a: {k: v[k] for k in ("ms_per_token", "vs_target", "vs_target_ci")} for a, v in cell["arms"].items()
+                },
+                "cell": cell,
+                "tasks": {
+                    k.split("/")[2]: {a: v["vs_target"] for a, v in c["arms"].items()}
+                    for k, c in summary.items()
+                    if k.startswith(f"{comp}/{dec}/") and not k.endswith("/all")
+                },
+            }
+    ordered = [blocks[b] for b in BLOCK_ORDER if b in blocks]
+    ours = sorted(set.intersection(*[{a for a in b["arms"] if _ours(a)} for b in ordered]))
+    score = {a: math.exp(sum(math.log(b["arms"][a]["vs_target"]) for b in ordered) / len(ordered)) for a in ours}
+    best = max(ours, key=lambda a: score[a])
+    for b in ordered:
+        cell = b.pop("cell")
+        v = cell["arms"][best]
+        b["recommended"] = {
+            "vs_target": _ci(v, "vs_target"),
+            "vs_best_fixed": _ci(v, "vs_best_fixed"),
+            "vs_best_peer": _ci(v, "vs_best_peer"),
+        }
+    return {
+        "recommended": {"arm": best, "file": _file_of(best), "geomean_vs_target": round(score[best], 4)},
+        "candidates": {a: round(s, 4) for a, s in sorted(score.items(), key=lambda kv: -kv[1])},
+        "retired_reports_commit": record["retired_reports_commit"],
+        "blocks": ordered,
+    }
+
+
+def _fmt(r: dict[str, Any]) -> str:
+    ci = r["ci"]
+    return f"{r['ratio']:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def readme_table(res: dict[str, Any]) -> str:
+    """The README's table: the recommended policy against the three references, block by block."""
+    rec = res["recommended"]
+    lines = [
+        f"Recommended policy `{rec['file']}` (race arm `{rec['arm']}`, re-priced with the day's calibration), wall clock, "
+        "SmolLM2-135M-Instruct with its distilled draft, 48 held-out prompts per block, medians of per-prompt ratios of "
+        "time per token [paired bootstrap 95% CI]; the races ran fixed gamma 2 as the fixed reference "
+        "(* CPU named in the race's commit note):",
+        "",
+        "| target | decoding | vs the target alone | vs the best fixed gamma | vs the best peer rule | machine | race (date) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b in res["blocks"]:
+        r = b["recommended"]
+        lines.append(
+            f"| {b['compression']} | {b['decoding']} | {_fmt(r['vs_target'])} | {_fmt(r['vs_best_fixed'])} "
+            f"({b['best_fixed']}) | {_fmt(r['vs_best_peer'])} ({b['best_peer']}) | {short_machine(b['machine'], b['cpu_note'])} | "
+            f"[{b['run']}](docs/results.md#{b['compression']}-{b['decoding']}) ({b['date']}) |"
+        )
+    return "\n".join(lines)
+
+
+def results_md(res: dict[str, Any]) -> str:
+    """The whole results page."""
+    rec = res["recommended"]
+    out = [
+        "# Results",
+        "",
+        "Generated by `python benchmarks/results.py` from the races of record in `benchmarks/runs/` (listed in",
+        "`benchmarks/runs/record.json`); do not edit by hand. Each race ran every arm on the same 48 held-out prompts",
+        "(12 per task type), 48 new tokens each, arms interleaved per prompt, the machine's costs calibrated first",
+        "(`speckv-calibrate`), on the machine its row names: compare within a block, not across machines. Ratios are",
+        "medians of per-prompt ratios of time per output token, with paired bootstrap 95% CIs over prompts.",
+        "Greedy outputs equal the target's own at fp32; at INT8 / NF4 the races record every difference, each a",
+        "measured near tie of bitsandbytes' multi-token passes.",
+        "",
+        "## Which policy is recommended, and why",
+        "",
+        f"Of our arms raced in every block, the one with the highest geometric mean speed-up over the target alone "
+        f"across the blocks: **`{rec['arm']}`** ({rec['geomean_vs_target']:.3f}x), i.e. `attach(target, "
+        f'"{rec["file"]}", costs="costs.json")` with a calibration of your machine. All candidates:',
+        "",
+        "| arm | file | geometric mean vs the target alone |",
+        "|---|---|---|",
+        *[f"| `{a}` | `{_file_of(a)}` | {s:.3f}x |" for a, s in res["candidates"].items()],
+        "",
+        "## Summary",
+        "",
+        readme_table(res).replace("(docs/results.md#", "(#"),
+        "",
+    ]
+    for b in res["blocks"]:
+        ours = [a for a in b["arms"] if _ours(a)]
+        out += [
+            f"## {b['compression']} {b['decoding']}",
+            "",
+            f"Race `benchmarks/runs/{b['run']}` ({b['date']}, commit {b['commit']}), {b['prompts']} prompts; "
+            f"machine: {b['machine']}" + (f" ({b['cpu_note']})" if b["cpu_note"] else "") + ".",
+            "",
+            f"    {b['command']}",
+            "",
+            "| arm | ms per token | vs the target alone | " + " | ".join(sorted(b["tasks"])) + " |",
+            "|---|---|---|" + "---|" * len(b["tasks"]),
+        ]
+        for a, v in sorted(b["arms"].items(), key=lambda kv: kv[1]["ms_per_token"]):
+            tag = " (ours)" if a in ours else ""
+            tasks = " | ".join(f"{b['tasks'][t].get(a, float('nan')):.2f}x" for t in sorted(b["tasks"]))
+            out.append(f"| `{a}`{tag} | {v['ms_per_token']:.1f} | {_fmt(_ci(v, 'vs_target'))} | {tasks} |")
+        out.append("")
+    out += [
+        "## Earlier races",
+        "",
+        "The one-off race reports these races supersede (28 of them, with their JSON, plots and cost files) left the",
+        f"tree; read them at commit {res['retired_reports_commit']} (`git show "
+        f"{res['retired_reports_commit']}:docs/onednn_nf4_step.md`). What they taught is in",
+        "[design.md](design.md).",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def render(readme: str, res: dict[str, Any]) -> tuple[str, str, str]:
+    """``(results.md, results.json, README.md)`` as they should be."""
+    if README_START not in readme or README_END not in readme:
+        raise SystemExit(f"README.md lacks the markers {README_START!r} ... {README_END!r}")
+    head, rest = readme.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    new_readme = f"{head}{README_START}\n{readme_table(res)}\n{README_END}{tail}"
+    return results_md(res), json.dumps(res, indent=1) + "\n", new_readme
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file differs from the runs")
+    ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="folder of results.md and results.json")
+    ap.add_argument("--readme", type=Path, default=ROOT / "README.md", help="README whose results table is rewritten")
+    args = ap.parse_args(argv)
+    record = json.loads((RUNS / "record.json").read_text())
+    md, js, readme = render(args.readme.read_text(), collect(record))
+    targets = {args.docs / "results.md": md, args.docs / "results.json": js, args.readme: readme}
+    stale = [p for p, text in targets.items() if not p.exists() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            print(f"{p} differs from what benchmarks/runs/ says: run python benchmarks/results.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p, text in targets.items():
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(p)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The results page: one command renders docs/results.md, docs/results.json and README's table from the races of
+record, and what ships is what it renders; the docs stay small and their links resolve."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _results_module():
+    spec = importlib.util.spec_from_file_location("results_script", ROOT / "benchmarks" / "results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_shipped_results_are_what_the_runs_of_record_render(tmp_path):
+    results = _results_module()
+    assert results.main(["--check"]) == 0  # docs/results.{md,json} and README's table, as shipped
+    docs, readme = tmp_path / "docs", tmp_path / "README.md"
+    docs.mkdir()
+    shutil.copy(ROOT / "README.md", readme)
+    text = readme.read_text()
+    readme.write_text(text.replace("| fp32 | greedy | 1.", "| fp32 | greedy | 9.", 1))  # a hand edit of the table
+    assert results.main(["--check", "--docs", str(docs), "--readme", str(readme)]) == 1
+    assert results.main(["--docs", str(docs), "--readme", str(readme)]) == 0
+    assert readme.read_text() == text
+    assert (docs / "results.md").read_text() == (ROOT / "docs" / "results.md").read_text()
+
+
+def test_the_recommendation_is_the_best_geometric_mean_over_every_block():
+    res = json.loads((ROOT / "docs" / "results.json").read_text())
+    blocks = res["blocks"]
+    assert {(b["compression"], b["decoding"]) for b in blocks} == {
+        (c, d) for c in ("fp32", "int8", "nf4") for d in ("greedy", "sampling")
+    }
+    best = res["recommended"]["arm"]
+    assert res["candidates"][best] == max(res["candidates"].values())
+    assert (ROOT / res["recommended"]["file"]).is_file()
+    readme = (ROOT / "README.md").read_text().splitlines()
+    head = "\n".join(readme[:60])
+    assert "bash .ci/setup" in head and "python -m pytest" in head and "| fp32 | greedy |" in head
+    assert res["recommended"]["file"] in "\n".join(readme[:80]) and len(readme) <= 150
+
+
+def test_docs_are_small_and_every_relative_link_resolves():
+    docs = ROOT / "docs"
+    size = sum(p.stat().st_size for p in docs.rglob("*") if p.is_file())
+    assert size <= 3 * 1024 * 1024, f"docs/ holds {size / 1e6:.1f} MB"
+    pages = [ROOT / "README.md", *docs.rglob("*.md"), ROOT / "exported" / "README.md", ROOT / "datasets" / "README.md"]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
