@@ -125,7 +125,7 @@ PRE_SIGNAL_COLUMNS: tuple[str, ...] = ("context_match_len",)
 PRE = FeatureSet(
     name="pre",
     # v2 added the target's confidence/entropy at the last verified position and the context match; v3 dropped the
-    # target's two (worth nothing measurable, together or alone, in benchmarks/ablation.py, and half of the per-step
+    # target's two (worth nothing measurable, together or alone, in benchmarks/ablation.py at commit 730b4b6, and half of the per-step
     # decision time inside generation: two passes over the vocabulary, cold after the verification pass)
     version=3,
     names=(

@@ -45,7 +45,7 @@ rm -f datasets/smollm2/steps.parquet  # a new draft needs a fresh profile (speck
 #    ... the policies that decide before drafting ('pre' features, no probe) -> exported/smollm2-*-pre.onnx
 #    ... and the gated ones (a pre-draft gate + a length head after the probe) -> exported/smollm2-*-gated.onnx
 #    Both also train on the history they write themselves: 2 rounds of replaying the training runs with their own
-#    choices (--history-rounds, docs/evaluation.md), since the profile's history is that of gamma 8.
+#    choices (--history-rounds, docs/design.md), since the profile's history is that of gamma 8.
 for k in gbt mlp table; do
     .venv/bin/speckv-export "exported/smollm2-$k-pre.onnx" --train datasets/smollm2/steps.parquet --policy "$k" \
         --feature-set pre --decision-draft-tokens 0 --history-rounds 2

@@ -10,7 +10,7 @@ would apply (the target's list: temperature, top-k, top-p, repetition
 penalty, ...), then argmax or a sample from the processed distribution (the
 distribution ``generate`` samples from; on CPU drawn by inverse CDF,
 :func:`sample_tokens`, ~10x cheaper than ``torch.multinomial`` over a large
-vocabulary, ``benchmarks/draft_sampler.py``). It returns the processed
+vocabulary, ``benchmarks/draft_sampler.py`` at commit 730b4b6). It returns the processed
 scores, which transformers' speculative sampling uses as the draft
 distribution, so verification and acceptance stay transformers' own code.
 

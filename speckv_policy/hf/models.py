@@ -138,7 +138,7 @@ def quiet_int8_cast_log() -> bool:
     quantizes it and says so with ``logger.warning`` on every call: on CPU that
     is one record per INT8 layer per forward (210 for SmolLM2-135M), which
     written to a file cost 2.7-3.5 ms per forward, ~8% of an INT8 target step,
-    on the 2-core machine measured here (``benchmarks/int8_log_cost.py``), and
+    on the 2-core machine measured here (``benchmarks/int8_log_cost.py`` at commit 730b4b6), and
     bury everything else on stderr. This adds a filter for that one record
     to bitsandbytes' logger (nothing else is dropped; the cast itself is
     unchanged). :func:`load_model` calls it when it loads an INT8 model; call

@@ -118,7 +118,7 @@ def run_once(
         "decision_s": summary.get("decision_us_mean", 0.0) * summary.get("steps", 0) / 1e6,
         "fallbacks": summary.get("fallbacks", 0),
         # per step, as the hook measured it (arms through the hook only): tokens drafted, sent and kept, and the
-        # draft call's and the verification's time (to price the run with a cost model, benchmarks/online_offline.py)
+        # draft call's and the verification's time (to price the run with a cost model)
         "step_drafted": [x.drafted for x in steps],
         "step_gamma": [x.gamma for x in steps],
         "step_accepted": [x.accepted for x in steps],
