@@ -116,3 +116,27 @@ def test_runtime_policy_cost_model_keyword_is_deprecated_for_costs():
     with pytest.warns(DeprecationWarning, match="cost_model=...\\) is deprecated"):
         old = RuntimePolicy(path, cost_model=costs)
     assert old.cost_model == RuntimePolicy(path, costs=costs).cost_model and old.repriced
+
+
+def test_the_custom_generate_recipe_is_attach_around_generate(pair):
+    """generate(..., custom_generate=RECIPE_DIR): lossless, and the policy really decides (a schedule that records
+    its calls); an export runs in its own mode there too."""
+    from speckv_policy.hf.recipe import RECIPE_DIR
+
+    target, draft = pair
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    ref = target.generate(ids, max_new_tokens=14, do_sample=False)
+    seen = []
+
+    def schedule(step):
+        seen.append(step)
+        return 2
+
+    recipe = {"custom_generate": RECIPE_DIR, "trust_remote_code": True, "max_new_tokens": 14, "do_sample": False}
+    out = target.generate(ids, assistant_model=draft, speckv_policy=schedule, speckv_mode="fixed", **recipe)
+    assert torch.equal(out, ref) and seen[:3] == [0, 1, 2]
+    gated = ROOT / "exported" / "smollm2-gbt-gated.onnx"
+    out = target.generate(ids, assistant_model=draft, speckv_policy=gated, **recipe)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="needs speckv_policy="):
+        target.generate(ids, assistant_model=draft, **recipe)
