@@ -261,7 +261,7 @@ def _after_forward(exported: str, pattern: str, report, target_linear: str = "de
 GOAL_US = 50.0
 
 
-def _goal_rows(rows: list[tuple[str, str, float]], goal_us: float = GOAL_US) -> list[str]:
+def goal_rows(rows: list[tuple[str, str, float]], goal_us: float = GOAL_US) -> list[str]:
     """Markdown rows: each in-generation p50 beside the same export's hot onnxruntime p50, their ratio, the goal.
 
     ``rows`` are ``(policy, way, p50 us)`` as the report printed them; the hot reference of an export is its
@@ -281,7 +281,7 @@ def _goal_rows(rows: list[tuple[str, str, float]], goal_us: float = GOAL_US) -> 
     return out
 
 
-def _nonforward_us(events: list[tuple[str, bool, float]]) -> list[float]:
+def nonforward_us(events: list[tuple[str, bool, float]]) -> list[float]:
     """Per step (target forward end to target forward end), the time outside every forward pass, in us."""
     out, last_end, inside, start = [], None, 0.0, 0.0
     for model, is_end, t in events:
@@ -335,13 +335,13 @@ def _marginal(exported: str, pattern: str, target_linear: str, rounds: int) -> N
                 events.clear()
                 with attach(target, str(path), compression="fp32", mode="pre") as h:
                     a_out = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
-                a = _nonforward_us(events)
+                a = nonforward_us(events)
                 gammas = [s.gamma for s in h.stats]
                 own += [s.decision_us for s in h.stats[1:]]
                 events.clear()
                 with attach(target, gammas.__getitem__, compression="fp32", mode="fixed"):
                     b_out = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
-                b = _nonforward_us(events)
+                b = nonforward_us(events)
                 if not torch.equal(a_out, b_out) or len(a) != len(b):
                     raise SystemExit(f"{path.name}: the replay did not take the policy's steps")
                 diffs += [x - y for x, y in zip(a, b)]
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         "Python GammaPolicy.predict (for contrast)",
         _time(lambda x: table.predict(x.reshape(1, -1)), rows["online"], min(args.n, 5000)),
     )
-    goal = _goal_rows(printed)
+    goal = goal_rows(printed)
     if goal:
         print(
             f"\nAgainst the goal (p50 <= {GOAL_US:.0f} us per decision inside generation), beside the hot onnxruntime call:\n"

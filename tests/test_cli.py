@@ -383,7 +383,7 @@ def test_every_option_of_every_command_has_a_help_line_and_the_reference_is_curr
         f"{parser.prog} {action.option_strings or action.dest}"
         for _, module, _ in reference.COMMANDS
         for parser in reference.parsers(module)
-        for action in parser._actions
+        for action in reference.actions(parser)
         if not action.help
     ]
     assert not missing, missing

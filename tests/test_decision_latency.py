@@ -36,7 +36,7 @@ def test_time_outside_the_forwards_per_step():
         ("target", False, 5.5),
         ("target", True, 6.0),  # step 2: a plain step, 1 s end to end, 0.5 s forward
     ]
-    assert _bench()._nonforward_us(events) == pytest.approx([1.25e6, 0.5e6])
+    assert _bench().nonforward_us(events) == pytest.approx([1.25e6, 0.5e6])
 
 
 def test_a_pre_policys_choices_replayed_take_the_same_forward_passes():
@@ -69,7 +69,7 @@ def test_the_goal_summary_sets_each_in_generation_figure_beside_its_hot_call():
         ("a-pre", "onnxruntime, inside generate (distilled draft, pre mode, us per step)", 300.0),
         ("stop", "Python, inside generate (distilled draft, stop mode, us per draft token)", 180.0),
     ]
-    assert _bench()._goal_rows(rows, goal_us=50.0) == [
+    assert _bench().goal_rows(rows, goal_us=50.0) == [
         "| a-pre | Python engine | distilled draft, pre mode, us per step | 42.0 | 20.0 | 2.1x | yes |",
         "| a-pre | onnxruntime | distilled draft, pre mode, us per step | 300.0 | 20.0 | 15.0x | no |",
         "| stop | Python | distilled draft, stop mode, us per draft token | 180.0 | - | - | no |",

@@ -50,7 +50,7 @@ def test_tokens_per_step_objective_drafts_longer_than_tokens_per_second(fitted, 
 def test_mlp_survival_is_monotone_and_calibrated(fitted, truth):
     X, a, _, _ = truth
     p = fitted["mlp"]
-    s = p._survival(p._prepare_X(X, reset=False))
+    s = p.survival(X)
     assert (np.diff(s, axis=1) <= 1e-12).all()
     # P(accepted >= 1) against the true alpha, averaged in deciles
     order = np.argsort(a)

@@ -12,7 +12,7 @@ from speckv_policy.schema import PAPER
 def test_decision_is_argmax_rate_times_gamma_plus_one(fitted, heldout):
     p = fitted["paper-mlp16"]
     X, _ = heldout["paper"]
-    rates = p._rates(p._prepare_X(X, reset=False))
+    rates = p.acceptance_rates(X)
     assert ((rates >= 0) & (rates <= 1)).all()
     expected = p.candidates_[np.argmax(rates * np.array([2, 4, 6, 8]) + 1, axis=1)]
     np.testing.assert_array_equal(p.predict(X), expected)

@@ -46,10 +46,15 @@ def parsers(module: str) -> list[argparse.ArgumentParser]:
         else:  # pragma: no cover - every command parses its arguments first
             raise RuntimeError(f"speckv_policy.cli.{module}.main did not parse arguments")
     out = [parser]
-    for action in parser._actions:  # noqa: SLF001 - argparse keeps its actions in a private list
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in actions(parser):
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - argparse names no public type for it
             out += list(action.choices.values())
     return out
+
+
+def actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """A parser's options and positionals (argparse keeps them in a private list, with no public getter)."""
+    return list(parser._actions)  # noqa: SLF001
 
 
 def render() -> str:

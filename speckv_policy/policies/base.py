@@ -228,6 +228,16 @@ class GammaPolicy:
     def _expected_tokens(self, X: np.ndarray) -> np.ndarray:
         return expected_tokens_from_survival(self._survival(X), self.candidates_)
 
+    def survival(self, X: Any) -> np.ndarray:
+        """``P(accepted >= k)`` for ``k = 1..max_gamma_`` per row of ``X``, as the fitted model estimates it.
+
+        Returns
+        -------
+        ndarray of shape (n_rows, max_gamma_)
+        """
+        check_is_fitted(self)
+        return self._survival(self._prepare_X(X, reset=False))
+
     def expected_values(self, X: Any) -> dict[str, np.ndarray]:
         """Expected outcome of every candidate gamma for each row.
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.neural_network import MLPRegressor
+from sklearn.utils.validation import check_is_fitted
 
 from ..objective import survival_observations
 from ..schema import N_COMPRESSION_CODES, get_feature_set
@@ -160,6 +161,19 @@ class PaperMLP16Policy(GammaPolicy, BaseEstimator):
         self.regressor_ = reg  # the scikit-learn model itself, as the paper ran it
         self.coefs_ = [w.copy() for w in reg.coefs_]
         self.intercepts_ = [b.copy() for b in reg.intercepts_]
+
+    def acceptance_rates(self, X: Any) -> np.ndarray:
+        """The network's predicted acceptance rate per row of ``X`` and candidate gamma (in [0, 1]).
+
+        The published recipe feeds the candidate gamma to the network as an extra input and picks the gamma with
+        the highest ``rate * gamma + 1``.
+
+        Returns
+        -------
+        ndarray of shape (n_rows, n_candidates)
+        """
+        check_is_fitted(self)
+        return self._rates(self._prepare_X(X, reset=False))
 
     def _rates(self, X: np.ndarray) -> np.ndarray:
         n, G = X.shape[0], len(self.candidates_)
