@@ -298,7 +298,7 @@ def test_a_gated_export_runs_in_the_hook_losslessly(gated_gbt, tmp_path):
     assert all(opened or s.drafted == 0 for s, opened in zip(h.stats, rec.gates))
     assert all(opened for s, opened in zip(h.stats, rec.gates) if s.drafted > 0)
     assert 0 < sum(rec.gates) < len(rec.gates)  # this export's gate both opens and closes on this prompt
-    with pytest.raises(ValueError, match="gated export is re-priced with a cost model"):
+    with pytest.raises(ValueError, match="costs='live' is not available for a gated export"):
         attach(target, str(path), compression="fp32", mode="gated", costs="live")
     with pytest.raises(ValueError, match="mode='gated' needs a gated policy"):
         attach(target, lambda x: 1, compression="fp32", mode="gated", feature_set="gated")
