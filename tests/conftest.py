@@ -90,6 +90,18 @@ def edge_rows(feature_set_names: tuple[str, ...], rng: np.random.Generator) -> n
     return np.asarray(rows, dtype=np.float32)
 
 
+def load_benchmark(script: str):
+    """``benchmarks/<script>`` imported as a module (its helpers are tested directly)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(f"benchmark_{Path(script).stem}", root / "benchmarks" / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_benchmark(script: str, *args: str, timeout: int = 900) -> str:
     """``python benchmarks/SCRIPT ARGS`` from the repository root as a user runs it; asserts it succeeds, returns stdout."""
     import subprocess

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from pathlib import Path
 
@@ -12,15 +11,14 @@ import torch
 from speckv_policy.hf import attach
 from speckv_policy.testing import tiny_llama_pair
 
+from .conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("decision_latency", ROOT / "benchmarks" / "decision_latency.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("decision_latency.py")
 
 
 def test_time_outside_the_forwards_per_step():

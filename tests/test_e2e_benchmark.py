@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,15 +15,9 @@ from speckv_policy.hf import race as hf_race
 from speckv_policy.machine import cpu_model
 from speckv_policy.testing import save_tiny_pair
 
+from .conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_e2e():
-    """benchmarks/e2e.py as a module: the goals it judges a race by live there, not in the library."""
-    spec = importlib.util.spec_from_file_location("e2e_benchmark_script", ROOT / "benchmarks" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def run_e2e(args: list[str]) -> int:
@@ -54,7 +47,7 @@ def tiny_setup(tmp_path_factory):
     return d, target, draft
 
 
-E2E = _load_e2e()
+E2E = load_benchmark("e2e.py")  # the goals it judges a race by live there, not in the library
 
 
 def test_e2e_smoke_on_tiny_pair(tiny_setup):

@@ -3,20 +3,18 @@ record, and what ships is what it renders; the docs stay small and their links r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
 from pathlib import Path
 
+from .conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _results_module():
-    spec = importlib.util.spec_from_file_location("results_script", ROOT / "benchmarks" / "results.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("results.py")
 
 
 def test_the_shipped_results_are_what_the_runs_of_record_render(tmp_path):
