@@ -89,7 +89,7 @@ def test_python_engine_gates_and_sizes_as_the_graph(kind, exports, synthetic):
 def test_python_engine_follows_repricing_and_live_step_times(exports, synthetic):
     X = _rows(synthetic, "pre")
     dear_draft = CostModel.from_dict({**CostModel.fit(synthetic[0]).to_dict(), "draft_ms_per_token": [9.0, 9.0, 9.0]})
-    for engine_kw in ({"cost_model": dear_draft}, {}):
+    for engine_kw in ({"costs": dear_draft}, {}):
         py = RuntimePolicy(exports["gbt-pre"], engine="python", **engine_kw)
         ort = RuntimePolicy(exports["gbt-pre"], engine="onnxruntime", **engine_kw)
         if not engine_kw:  # live step times, as costs='live' sets them every step
