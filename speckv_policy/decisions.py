@@ -42,6 +42,7 @@ __all__ = [
     "GatedMode",
     "PerTokenMode",
     "PlainDecider",
+    "PlainSchedule",
     "PlainStopDecider",
     "PreMode",
     "StopDecider",
@@ -135,6 +136,30 @@ class PlainDecider:
         if self.gate_fn is None:
             raise ValueError("this policy has no gate")
         return bool(self.gate_fn(features)), False
+
+
+def checked_gamma(g: Any, limit: int = FIXED_GAMMA_LIMIT) -> int:
+    """``g`` as an int in ``0..limit``.
+
+    Raises
+    ------
+    ValueError
+        For anything else (a bool, a float, None, a negative or too large number), naming the value.
+    """
+    if isinstance(g, bool) or not hasattr(g, "__index__") or not 0 <= int(g) <= limit:
+        raise ValueError(f"gamma_fn returned {g!r}; expected an int in 0..{limit}")
+    return int(g)
+
+
+class PlainSchedule:
+    """A schedule ``gamma_fn(step) -> int`` for ``fixed`` mode (the replay's): a bad gamma raises."""
+
+    def __init__(self, schedule: Callable[[int], Any]) -> None:
+        self.schedule = schedule
+
+    def decide_step(self, step: int) -> tuple[int, bool]:
+        """``(gamma, fell_back)`` for ``step``."""
+        return checked_gamma(self.schedule(step)), False
 
 
 class PlainStopDecider:
@@ -260,20 +285,23 @@ class DecisionMode:
 
 
 class FixedMode(DecisionMode):
-    """``fixed``: a schedule ``gamma_fn(step) -> int`` chooses before drafting; no features."""
+    """``fixed``: a schedule chooses before drafting; no features.
+
+    ``decider`` has ``decide_step(step) -> (gamma, fell_back)`` (the hook's falls back on a bad gamma, the replay's
+    :class:`PlainSchedule` raises); a plain callable ``gamma_fn(step)`` is taken as a :class:`PlainSchedule`.
+    """
 
     name = "fixed"
 
+    def __init__(self, decider: Any, compression: str, max_gamma: int) -> None:
+        if not hasattr(decider, "decide_step"):
+            decider = PlainSchedule(decider)
+        super().__init__(decider, compression, max_gamma)
+
     def plan(self, step: int, context_len: int, match_len: int, budget: int) -> int:
         self._begin_step()
-        g = self.decider(step)
-        if (
-            isinstance(g, bool)
-            or not (isinstance(g, int) or hasattr(g, "__index__"))
-            or not 0 <= g <= FIXED_GAMMA_LIMIT
-        ):
-            raise ValueError(f"gamma_fn returned {g!r}; expected an int in 0..{FIXED_GAMMA_LIMIT}")
-        return max(0, min(int(g), self.max_gamma, budget))
+        g, self.fell_back = self.decider.decide_step(step)
+        return max(0, min(g, self.max_gamma, budget))
 
     def finish(self, drafted: int, tokens: Callable[[], tuple[Sequence[float], Sequence[float]]]) -> int:
         return drafted

@@ -141,3 +141,27 @@ def test_the_custom_generate_recipe_is_attach_around_generate(pair):
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="needs speckv_policy="):
         target.generate(ids, assistant_model=draft, **recipe)
+
+
+@pytest.mark.parametrize("bad", ["raises", -1, 2.5, None, 10**6, True])
+def test_a_failing_fixed_schedule_falls_back_like_every_other_mode(pair, bad):
+    """Issue 38: fixed mode was the one mode where a failing gamma_fn made generate() raise. Now: one warning, the
+    fallback gamma on every failed step, counted, and the target's own output."""
+    from speckv_policy.runtime import PolicyFallbackWarning
+
+    target, draft = pair
+    ids = torch.tensor([[2, 7, 1, 8]])
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+
+    def schedule(step):
+        if bad == "raises":
+            raise ArithmeticError("schedule broke")
+        return bad
+
+    with pytest.warns(PolicyFallbackWarning, match="using fallback gamma 3") as rec:
+        with attach(target, schedule, mode="fixed", settings={"fallback_gamma": 3}) as h:
+            out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, ref)
+    assert len([w for w in rec if w.category is PolicyFallbackWarning]) == 1
+    assert h.summary()["fallbacks"] == len(h.stats) and all(s.fallback for s in h.stats)
+    assert {s.gamma for s in h.stats[:-1]} == {3}

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from ..decisions import DEFAULT_MAX_GAMMA
+from ..decisions import DEFAULT_MAX_GAMMA, checked_gamma
 from ..objective import CostModel
 from ..runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
 from ..schema import FeatureSet, compression_code, get_feature_set
 from ..stop import StopRule, StopRuleError, StopState
 from .live_costs import LiveCosts
 
-__all__ = ["FallbackCounter", "PolicyDecider", "RuleDecider", "apply_costs"]
+__all__ = ["FallbackCounter", "PolicyDecider", "RuleDecider", "ScheduleDecider", "apply_costs"]
 
 
 class FallbackCounter:
@@ -61,6 +61,23 @@ class FallbackCounter:
                 stacklevel=3,
             )
         return min(self.fallback_gamma, self.max_gamma)
+
+
+class ScheduleDecider(FallbackCounter):
+    """A fixed-gamma schedule ``gamma_fn(step) -> int`` that never raises: a failing call or anything but an int in
+    ``0..64`` yields the fallback gamma with one warning, as in every other mode (the mode caps gammas at max_gamma)."""
+
+    def __init__(self, schedule: Any, max_gamma: int, fallback_gamma: int) -> None:
+        super().__init__(schedule, fallback_gamma)
+        self.schedule = schedule
+        self.max_gamma = int(max_gamma)
+
+    def decide_step(self, step: int) -> tuple[int, bool]:
+        """``(gamma, fell_back)`` for ``step``."""
+        try:
+            return checked_gamma(self.schedule(step)), False  # 0..64; the mode caps it at max_gamma
+        except Exception as exc:  # a broken schedule must never break generation
+            return self.fail(f"{type(exc).__name__}: {exc}"), True
 
 
 class RuleDecider(FallbackCounter):

@@ -27,7 +27,7 @@ from ..features import (
     draft_token_stats_one,
 )
 from ..runtime import PolicyFallbackWarning
-from .adapters import PolicyDecider, RuleDecider
+from .adapters import PolicyDecider, RuleDecider, ScheduleDecider
 from .live_costs import LiveCosts
 
 __all__ = ["Controller", "StepStats"]
@@ -101,7 +101,7 @@ class Controller:
     def __init__(
         self,
         mode: DecisionMode,
-        decider: PolicyDecider | RuleDecider | None,
+        decider: PolicyDecider | RuleDecider | ScheduleDecider | None,
         compression: str,
         *,
         record_tokens: bool = False,

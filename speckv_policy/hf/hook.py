@@ -43,7 +43,7 @@ from ..schema import COMPRESSIONS, GATED, ONLINE, PAPER, PRE, get_feature_set
 from ..settings import HookSettings
 from ..stop import StopRule
 from . import _compat
-from .adapters import PolicyDecider, RuleDecider, apply_costs
+from .adapters import PolicyDecider, RuleDecider, ScheduleDecider, apply_costs
 from .candidates import install
 from .controller import Controller, StepStats
 from .live_costs import LiveCosts
@@ -342,13 +342,17 @@ def attach(
             "policy or a callable"
         )
     fallback = DEFAULT_FALLBACK_GAMMA if s.fallback_gamma is None else int(s.fallback_gamma)
-    decider: PolicyDecider | RuleDecider | None = None
+    decider: PolicyDecider | RuleDecider | ScheduleDecider | None = None
     live: LiveCosts | None = None
     schedule = _fixed_schedule(policy, mode)
     if schedule is not None:
         if costs is not None:
             raise ValueError("costs= prices a policy's decisions; a fixed gamma (mode='fixed') decides nothing")
-        mode, decider_or_schedule, max_gamma = "fixed", schedule, s.max_gamma or FIXED_GAMMA_LIMIT
+        max_gamma = s.max_gamma or FIXED_GAMMA_LIMIT
+        if s.fallback_gamma is not None and fallback > max_gamma:
+            raise ValueError(f"fallback_gamma {fallback} exceeds max_gamma {max_gamma}")
+        mode = "fixed"
+        decider = ScheduleDecider(schedule, max_gamma, fallback)
     elif _is_stop_rule(policy) or mode == "stop":
         if mode not in (None, "stop"):
             raise ValueError(f"a stop rule runs in mode 'stop', not {mode!r} (leave mode= out)")
@@ -356,14 +360,14 @@ def attach(
         decider = RuleDecider(policy, s.max_gamma, fallback, costs)
         if fallback > decider.max_gamma:
             raise ValueError(f"fallback_gamma {s.fallback_gamma} exceeds max_gamma {decider.max_gamma}")
-        decider_or_schedule, max_gamma = decider, decider.max_gamma
+        max_gamma = decider.max_gamma
         live = decider.start_live(compression)  # a stop rule was re-priced as it loaded; live costs start here
     else:
         decider, mode = _length_decider(policy, mode, feature_set, s, fallback, costs is not None)
-        decider_or_schedule, max_gamma = decider, decider.max_gamma
+        max_gamma = decider.max_gamma
         if costs is not None:
             live = apply_costs(decider, costs, compression)
-    step_mode = make_mode(mode, decider_or_schedule, compression, max_gamma, probe_backoff=int(s.probe_backoff))
+    step_mode = make_mode(mode, decider, compression, max_gamma, probe_backoff=int(s.probe_backoff))
     if _compat.has_installed_candidate_generator(target):
         raise RuntimeError("a speckv policy is already attached to this model; detach() it first")
     controller = Controller(
