@@ -309,6 +309,11 @@ def test_calibrate_times_every_gamma_through_the_hook(setup, tmp_path, capsys):
     assert "prompt file not found" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         calibrate_cli.main(["--out", str(out), "--seconds", "-1"])
+    for endless in ("inf", "nan"):  # issue 38: --seconds inf timed forever
+        with pytest.raises(SystemExit) as exc:
+            calibrate_cli.main(["--out", str(out), "--seconds", endless])
+        assert exc.value.code == 2
+    assert "--seconds: must be" in capsys.readouterr().err
 
 
 def test_resume_with_other_settings_is_refused(setup, full_run, capsys):

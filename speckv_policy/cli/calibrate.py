@@ -7,6 +7,7 @@ speckv-export --reprice costs.json exported/smollm2-gbt.onnx gbt-here.onnx
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -28,6 +29,8 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    if not math.isfinite(v):  # an infinite budget would time forever
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
     return v
 
 
