@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from speckv_policy.atomic import atomic_write_text
 from speckv_policy.evaluation.race import PEER_RULES, summarize_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,10 @@ def collect(record: dict[str, Any]) -> dict[str, Any]:
     """Every block's figures from the races of record (the latest race that ran a block is its run of record)."""
     blocks: dict[tuple[str, str], dict[str, Any]] = {}
     for entry in record["runs"]:  # oldest first: a later race replaces an earlier one's blocks
-        race = json.loads((RUNS / entry["file"]).read_text())
+        path = RUNS / entry["file"]
+        if not path.is_file():
+            raise SystemExit(f"{RUNS / 'record.json'} names {entry['file']}, which is not a file in {RUNS}")
+        race = json.loads(path.read_text())
         summary = summarize_runs(race["runs"], race["arms"])
         for key, cell in summary.items():
             comp, dec, task = key.split("/")
@@ -224,9 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p} differs from what benchmarks/runs/ says: run python benchmarks/results.py", file=sys.stderr)
         return 1 if stale else 0
     for p, text in targets.items():
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(p)
+        atomic_write_text(p, text)  # a temporary file renamed into place; never over a non-regular file
     print(md)
     return 0
 

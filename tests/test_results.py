@@ -8,6 +8,8 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from .conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,3 +61,10 @@ def test_docs_are_small_and_every_relative_link_resolves():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_a_record_naming_a_missing_race_is_a_clear_error():
+    results = _results_module()
+    record = {"retired_reports_commit": "x", "runs": [{"file": "gone.json", "date": "d", "commit": "c"}]}
+    with pytest.raises(SystemExit, match="names gone.json, which is not a file"):
+        results.collect(record)
