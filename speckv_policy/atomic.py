@@ -16,7 +16,43 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "atomic_write_text", "atomic_write_dir"]
+__all__ = ["NotAFileError", "atomic_write", "atomic_write_dir", "atomic_write_text", "readable_file"]
+
+
+class NotAFileError(ValueError):
+    """A path given as a file to read is a folder, a FIFO, a socket or a device."""
+
+
+def readable_file(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` if it names a regular file (links followed), checked without opening it.
+
+    Reading a FIFO blocks until a writer appears (and ignores Ctrl-C inside
+    native readers), so every user-named input is checked here first.
+
+    Parameters
+    ----------
+    path : path-like
+        The file to read.
+    what : str
+        What it should hold, for the messages ("cost model file", "log").
+
+    Raises
+    ------
+    FileNotFoundError
+        If nothing is there.
+    NotAFileError
+        If it is a folder or not a regular file.
+    """
+    p = Path(path)
+    try:
+        mode = os.stat(p).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(f"{what} not found: {p}") from None
+    if stat.S_ISDIR(mode):
+        raise NotAFileError(f"{what} {p} is a folder, not a file")
+    if not stat.S_ISREG(mode):
+        raise NotAFileError(f"{what} {p} is not a regular file (a FIFO, socket or device); refusing to read it")
+    return p
 
 
 def _plain_file_mode(existing: Path) -> int:

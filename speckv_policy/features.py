@@ -517,3 +517,53 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
         used["accepted"].to_numpy(np.int64),
         used["gamma"].to_numpy(np.int64),
     )
+
+
+def spanning_rows(feature_set: FeatureSet | str, n: int = 512, seed: int = 0) -> np.ndarray:
+    """Synthetic feature rows spanning every feature's plausible range, at every compression code.
+
+    Not a sample of real steps: rows to run a policy on when no log is at
+    hand (``speckv-export --reprice`` checks that a re-priced export runs
+    and does not collapse to one gamma where the input did not). Rates and
+    confidences in [0, 1], entropies in [0, 6] nats (9 bits), contexts of 8
+    to 4096 tokens, temperatures 0 / 0.7 / 1, counts in 0..8 with accepted <=
+    drafted, and the codes 0, 1, 2 in turn.
+
+    Parameters
+    ----------
+    feature_set : FeatureSet or str
+        Whose columns to fill.
+    n : int, default=512
+        Rows.
+    seed : int, default=0
+        Seed of the generator (the rows are reproducible).
+
+    Returns
+    -------
+    ndarray of float32, shape (n, n_features)
+    """
+    fs = get_feature_set(feature_set) if isinstance(feature_set, str) else feature_set
+    rng = np.random.default_rng(seed)
+    cols: dict[str, np.ndarray] = {}
+    gamma = rng.integers(0, 9, n)
+    for name in fs.names:
+        if name == "compression_code":
+            v = np.arange(n) % 3
+        elif name == "prev_gamma":
+            v = gamma
+        elif name == "prev_accepted":
+            v = np.floor(rng.uniform(0, 1, n) * (gamma + 1))
+        elif name == "prev_fully_accepted":
+            v = rng.integers(0, 2, n)
+        elif name == "context_match_len":
+            v = rng.integers(0, CONTEXT_MATCH_CAP + 1, n)
+        elif name == "log_context_len":
+            v = np.log1p(np.exp(rng.uniform(math.log(8), math.log(4096), n)))
+        elif name == "temperature":
+            v = rng.choice([0.0, 0.7, 1.0], n)
+        elif "entropy" in name:
+            v = rng.uniform(0, 9.0 if name.endswith("_bits") else 6.0, n)
+        else:  # confidences and acceptance rates
+            v = rng.uniform(0, 1, n)
+        cols[name] = np.asarray(v, dtype=np.float64)
+    return np.column_stack([cols[c] for c in fs.names]).astype(np.float32)

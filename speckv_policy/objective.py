@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import NotAFileError, readable_file
 from .schema import N_COMPRESSION_CODES
 
 OBJECTIVES: tuple[str, ...] = ("tokens_per_second", "tokens_per_step")
@@ -153,32 +154,7 @@ class CostModel:
     machine: str = field(default="", compare=False, repr=False)  # repr: params in exports read as before
 
     def __post_init__(self) -> None:
-        for name in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token"):
-            vals = getattr(self, name)
-            if len(vals) != N_COMPRESSION_CODES:
-                raise ValueError(f"CostModel.{name} needs {N_COMPRESSION_CODES} values (codes 0, 1, 2), got {vals!r}")
-            if not all(math.isfinite(v) and v >= 0 for v in vals):
-                raise ValueError(f"CostModel.{name} must be finite and >= 0, got {vals!r}")
-        if not all(v > 0 for v in self.verify_base_ms):
-            raise ValueError(f"CostModel.verify_base_ms must be > 0, got {self.verify_base_ms!r}")
-        if self.decision_draft_tokens not in (0, 1):
-            raise ValueError("CostModel.decision_draft_tokens must be 0 or 1")
-        if len(self.draft_base_ms) != N_COMPRESSION_CODES or not all(
-            math.isfinite(v) and v >= 0 for v in self.draft_base_ms
-        ):
-            raise ValueError(
-                f"CostModel.draft_base_ms needs {N_COMPRESSION_CODES} finite values >= 0, got {self.draft_base_ms!r}"
-            )
-        if not isinstance(self.machine, str):
-            raise ValueError(f"CostModel.machine must be a string, got {type(self.machine).__name__}")
-        if self.verify_table_ms is not None:
-            t = self.verify_table_ms
-            if (
-                len(t) != N_COMPRESSION_CODES
-                or len({len(r) for r in t}) != 1
-                or not all(math.isfinite(v) and v > 0 for r in t for v in r)
-            ):
-                raise ValueError("CostModel.verify_table_ms needs 3 rows of equal length of finite values > 0")
+        _check_cost_fields(self)
 
     @classmethod
     def relative(
@@ -220,8 +196,10 @@ class CostModel:
         prompt's prefill. A level whose rows all
         verified the same number of tokens borrows the pooled relative slope of
         the other levels for its line. Timing outliers (over
-        :data:`OUTLIER_FACTOR` times the median of their level and gamma, or
-        not finite) are left out with a :class:`CostModelWarning` naming them.
+        :data:`OUTLIER_FACTOR` times the median of their level and gamma, or of
+        what nearby gammas bound them to in a group of fewer than three rows;
+        not finite; over :data:`MAX_STEP_COST`) are left out with a
+        :class:`CostModelWarning` naming them.
 
         Raises
         ------
@@ -368,14 +346,31 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises
+        ------
+        CostModelError
+            Naming the field, when a value has the wrong type, shape or magnitude.
+        """
         d = dict(d)
         for k in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token", "draft_base_ms"):
             if k in d:
-                d[k] = tuple(float(x) for x in d[k])
+                d[k] = _numbers(k, d[k])
         if d.get("verify_table_ms") is not None:
-            d["verify_table_ms"] = tuple(tuple(float(x) for x in row) for row in d["verify_table_ms"])
-        d["n_rows"] = {int(k): int(v) for k, v in d.get("n_rows", {}).items()}
+            t = d["verify_table_ms"]
+            if not isinstance(t, (list, tuple)):
+                raise CostModelError(f"verify_table_ms must be a list of rows, got {type(t).__name__}")
+            d["verify_table_ms"] = tuple(_numbers(f"verify_table_ms[{i}]", row) for i, row in enumerate(t))
+        rows = d.get("n_rows", {})
+        if not isinstance(rows, dict):
+            raise CostModelError(
+                f"n_rows must be an object of compression code -> row count, got {type(rows).__name__}"
+            )
+        try:
+            d["n_rows"] = {int(k): v for k, v in rows.items()}
+        except ValueError:
+            raise CostModelError(f"n_rows keys must be compression codes 0, 1, 2, got {sorted(rows)!r}") from None
         return cls(**d)
 
     def to_json(self) -> str:
@@ -414,8 +409,9 @@ class CostModel:
         ------
         FileNotFoundError
             If the file does not exist.
-        ValueError
-            Naming the file, when it is not JSON or not a cost model.
+        CostModelError
+            A ValueError naming the file (and the field), when it is not a regular file, not JSON, or not a valid
+            cost model (see :class:`CostModel`: every field is checked for type, shape, sign and magnitude).
         """
         if isinstance(source, CostModel):
             return source
@@ -423,20 +419,22 @@ class CostModel:
             where, d = "cost model", source
         else:
             where = os.fspath(source)
-            if not os.path.isfile(where):
-                raise FileNotFoundError(f"cost model file not found: {where}")
+            try:
+                readable_file(where, "cost model file")
+            except NotAFileError as exc:
+                raise CostModelError(str(exc)) from None
             try:
                 with open(where, encoding="utf-8") as fh:
                     d = json.load(fh)
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{where}: not a JSON cost model ({exc})") from None
+                raise CostModelError(f"{where}: not a JSON cost model ({exc})") from None
         if not isinstance(d, dict):
-            raise ValueError(f"{where}: expected a JSON object with the CostModel fields, got {type(d).__name__}")
+            raise CostModelError(f"{where}: expected a JSON object with the CostModel fields, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         missing = sorted(k for k in ("draft_ms_per_token", "verify_base_ms", "verify_ms_per_token") if k not in d)
         if unknown or missing:
-            raise ValueError(
+            raise CostModelError(
                 f"{where}: not a cost model"
                 + (f"; unknown fields {', '.join(unknown)}" if unknown else "")
                 + (f"; missing fields {', '.join(missing)}" if missing else "")
@@ -444,7 +442,74 @@ class CostModel:
         try:
             return cls.from_dict(d)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: invalid cost model ({exc})") from None
+            raise CostModelError(f"{where}: invalid cost model ({exc})") from None
+
+
+class CostModelError(ValueError):
+    """A cost model that cannot be used: a field of the wrong type, shape, sign or magnitude (named)."""
+
+
+#: The largest time, in ms (or target steps), any part of one step may cost: one hour. A larger figure is a broken
+#: calibration (a clock jump, a unit mix-up), not a machine.
+MAX_STEP_COST = 3.6e6
+
+_UNITS = ("ms", "target_step")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def _numbers(name: str, values: Any) -> tuple[float, ...]:
+    """``values`` as a tuple of floats; CostModelError naming ``name`` unless it is a list of numbers."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, np.ndarray)):
+        raise CostModelError(f"{name} must be a list of numbers, got {type(values).__name__}")
+    if not all(_is_number(v) for v in values):
+        raise CostModelError(f"{name} must hold numbers only, got {list(values)!r}")
+    return tuple(float(v) for v in values)
+
+
+def _check_cost_fields(cm: CostModel) -> None:
+    """Every field of ``cm``: type, shape, finite, sign and magnitude (at most :data:`MAX_STEP_COST`)."""
+    n = N_COMPRESSION_CODES
+
+    def times(name: str, vals: Any, positive: bool = False) -> None:
+        vals = _numbers(name, vals)
+        if len(vals) != n:
+            raise CostModelError(f"{name} needs {n} values (codes 0, 1, 2), got {list(vals)!r}")
+        low = "> 0" if positive else ">= 0"
+        if not all(math.isfinite(v) and (v > 0 if positive else v >= 0) and v <= MAX_STEP_COST for v in vals):
+            raise CostModelError(f"{name} must be finite, {low} and <= {MAX_STEP_COST:g}, got {list(vals)!r}")
+
+    times("draft_ms_per_token", cm.draft_ms_per_token)
+    times("verify_base_ms", cm.verify_base_ms, positive=True)
+    times("verify_ms_per_token", cm.verify_ms_per_token)
+    times("draft_base_ms", cm.draft_base_ms)
+    if not _is_number(cm.decision_draft_tokens) or cm.decision_draft_tokens not in (0, 1):
+        raise CostModelError(f"decision_draft_tokens must be 0 or 1, got {cm.decision_draft_tokens!r}")
+    o = cm.overhead_ms
+    if not _is_number(o) or not (math.isfinite(o) and 0 <= o <= MAX_STEP_COST):
+        raise CostModelError(f"overhead_ms must be a finite number in [0, {MAX_STEP_COST:g}], got {o!r}")
+    if cm.unit not in _UNITS:
+        raise CostModelError(f"unit must be one of {', '.join(_UNITS)}, got {cm.unit!r}")
+    for name in ("device", "machine"):
+        if not isinstance(getattr(cm, name), str):
+            raise CostModelError(f"{name} must be a string, got {type(getattr(cm, name)).__name__}")
+    if not isinstance(cm.n_rows, dict) or not all(
+        _is_number(k) and int(k) in range(n) and _is_number(v) and int(v) == v and v >= 0 for k, v in cm.n_rows.items()
+    ):
+        raise CostModelError(f"n_rows must map compression codes 0..{n - 1} to row counts >= 0, got {cm.n_rows!r}")
+    t = cm.verify_table_ms
+    if t is not None:
+        if not isinstance(t, (list, tuple)) or len(t) != n:
+            raise CostModelError(f"verify_table_ms needs {n} rows (codes 0, 1, 2), got {t!r}")
+        rows = [_numbers(f"verify_table_ms[{i}]", r) for i, r in enumerate(t)]
+        if len({len(r) for r in rows}) != 1 or not rows[0]:
+            raise CostModelError(
+                f"verify_table_ms needs {n} non-empty rows of equal length, got lengths {[len(r) for r in rows]}"
+            )
+        if not all(math.isfinite(v) and 0 < v <= MAX_STEP_COST for r in rows for v in r):
+            raise CostModelError(f"verify_table_ms values must be finite, > 0 and <= {MAX_STEP_COST:g}")
 
 
 class CostModelWarning(UserWarning):
@@ -456,18 +521,53 @@ class CostModelWarning(UserWarning):
 OUTLIER_FACTOR = 5.0
 
 
+def _small_group_reference(t: np.ndarray, g: np.ndarray, same: np.ndarray, i: int, col: str) -> float:
+    """The most row ``i`` could plausibly cost, from the other rows of its level (``same``): each bounds it.
+
+    Time does not fall as gamma grows, and grows at most in proportion to the tokens processed (``gamma + 1``
+    verified, ``gamma`` drafted), so a row at ``g'`` bounds one at ``g`` by ``t' * max(1, (g + 1) / (g' + 1))``
+    for verify times (``max(g, 1) / max(g', 1)`` for draft times). The median of those bounds is the reference.
+    """
+    others = same.copy()
+    others[i] = False
+    if not others.any():
+        return math.nan
+    gi, gj, tj = g[i], g[others], t[others]
+    ratio = (gi + 1.0) / (gj + 1.0) if col == "verify_ms" else max(gi, 1.0) / np.maximum(gj, 1.0)
+    return float(np.median(tj * np.maximum(1.0, ratio)))
+
+
 def _drop_timing_outliers(df: Any) -> Any:
-    """``df`` without timing outliers (see :data:`OUTLIER_FACTOR`), warning with the rows dropped."""
+    """``df`` without timing outliers (see :data:`OUTLIER_FACTOR`), warning with the rows dropped.
+
+    A row is an outlier if its draft or verify time is not finite, over :data:`MAX_STEP_COST`, or over
+    :data:`OUTLIER_FACTOR` times a reference: the median of its (compression, gamma) group where that group has
+    three rows or more; else the median of the bounds the other rows of its level put on it
+    (:func:`_small_group_reference`), or of all rows when its level has fewer than three (then ``4 x`` the factor:
+    levels may differ that much).
+    """
     import warnings
 
     groups = [df["compression"], df["gamma"]]
     bad = np.zeros(len(df), dtype=bool)
+    comp = df["compression"].to_numpy()
+    gam = df["gamma"].to_numpy(np.float64)
     for col in ("draft_ms", "verify_ms"):
         x = df[col].astype(np.float64)
         med = x.groupby(groups).transform("median")
-        size = x.groupby(groups).transform("size")
+        size = x.groupby(groups).transform("size").to_numpy()
+        t = x.to_numpy()
         bad |= ((size >= 3) & (med > 0) & (x > OUTLIER_FACTOR * med)).to_numpy()
-        bad |= ~np.isfinite(x.to_numpy())
+        bad |= ~np.isfinite(t) | (t > MAX_STEP_COST)
+        usable = np.isfinite(t) & (t <= MAX_STEP_COST)
+        for i in np.flatnonzero((size < 3) & usable):
+            same = (comp == comp[i]) & usable
+            factor = OUTLIER_FACTOR
+            if same.sum() < 3:
+                same, factor = usable, 4 * OUTLIER_FACTOR
+            ref = _small_group_reference(t, gam, same, i, col)
+            if ref > 0 and t[i] > factor * ref:
+                bad[i] = True
     if not bad.any():
         return df
     rows = df.index[bad]
@@ -475,8 +575,9 @@ def _drop_timing_outliers(df: Any) -> Any:
         f"{i} (draft {df.at[i, 'draft_ms']:.4g} ms, verify {df.at[i, 'verify_ms']:.4g} ms)" for i in rows[:5]
     )
     warnings.warn(
-        f"cost model: left out {len(rows)} step(s) whose draft or verify time is over {OUTLIER_FACTOR:g}x the "
-        f"median of their compression level and gamma: row {shown}" + (" ..." if len(rows) > 5 else ""),
+        f"cost model: left out {len(rows)} step(s) whose draft or verify time is not finite or over "
+        f"{OUTLIER_FACTOR:g}x what the other steps of their compression level and gamma (or nearby gammas) took: "
+        f"row {shown}" + (" ..." if len(rows) > 5 else ""),
         CostModelWarning,
         stacklevel=3,
     )

@@ -45,7 +45,8 @@ SUPPORTED_FORMAT_VERSION = 1
 ENGINES = ("auto", "python", "onnxruntime")
 #: Rows the Python program is checked on against onnxruntime at load.
 PROGRAM_CHECK_ROWS = 512
-_TOP_CODE = N_COMPRESSION_CODES - 1
+#: The compression codes a feature row may carry (any other value is refused, never clipped to a known one).
+_KNOWN_CODES = tuple(float(c) for c in range(N_COMPRESSION_CODES))
 
 
 def _first_best(candidates: list[int], values: list[float]) -> int:
@@ -299,6 +300,13 @@ class RuntimePolicy:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(gamma, values) under the re-priced step times (``times``, default the head's), in float32 like the graph."""
         table = self._times if times is None else times
+        bad = ~(np.isfinite(expected_tokens) & (expected_tokens >= 0))
+        if bad.any():
+            i, j = (int(v[0]) for v in np.nonzero(bad))
+            raise PolicyLoadError(
+                f"{self.path}: the model's expected tokens for gamma {self.candidates[j]} (row {i}) is "
+                f"{float(expected_tokens[i, j])!r}, expected a finite number >= 0"
+            )
         codes = np.clip(np.rint(x[:, self._code_index]), 0, N_COMPRESSION_CODES - 1).astype(np.int64)
         values = (expected_tokens / table[codes]) * self._scale  # type: ignore[index]
         return self.candidates[np.argmax(values, axis=1)], values
@@ -444,9 +452,14 @@ class RuntimePolicy:
 
     def _program_values(self, program: DecisionProgram, prices: list[list[float]] | None, row: list[float]) -> list:
         tokens = program.expected_tokens(row)
+        total = sum(tokens)
+        if total - total != 0.0 or min(tokens) < 0:  # NaN, inf or negative: the runtime's contract refuses them
+            raise PolicyLoadError(
+                f"{self.path}: the model's expected tokens {list(tokens)} are not all finite numbers >= 0"
+            )
         if prices is None:
             return tokens
-        times = prices[min(max(round(row[self._code_index]), 0), N_COMPRESSION_CODES - 1)]
+        times = prices[int(row[self._code_index])]  # a known code (_row_list checks)
         return [e / t for e, t in zip(tokens, times)]
 
     def _program_gamma(
@@ -464,7 +477,7 @@ class RuntimePolicy:
         cell_of = program.cell_of
         if memo is None or cell_of is None:
             return _first_best(program.candidates, self._program_values(program, prices, row))
-        key = cell_of(row) * N_COMPRESSION_CODES + min(max(round(row[self._code_index]), 0), _TOP_CODE)
+        key = cell_of(row) * N_COMPRESSION_CODES + int(row[self._code_index])  # a known code (_row_list checks)
         g = memo.get(key)
         if g is None:
             g = memo[key] = _first_best(program.candidates, self._program_values(program, prices, row))
@@ -481,9 +494,10 @@ class RuntimePolicy:
             return None
         row = array("f", features).tolist()  # float32, as the graph reads it
         total = sum(row)
-        if total - total != 0.0:  # NaN or inf: the full path raises
+        code = row[self._code_index]
+        if total - total != 0.0 or code not in _KNOWN_CODES:  # NaN, inf or an unknown code: the full path raises
             return None
-        return memo.get(cell_of(row) * N_COMPRESSION_CODES + min(max(round(row[self._code_index]), 0), _TOP_CODE))
+        return memo.get(cell_of(row) * N_COMPRESSION_CODES + int(code))
 
     def _check_rows(self) -> np.ndarray:
         """Rows straddling every threshold the programs test (each value and the next float32 above it)."""
@@ -531,6 +545,8 @@ class RuntimePolicy:
         total = sum(row)
         if total - total != 0.0:  # NaN or inf somewhere (float32 values cannot sum to inf)
             raise self._non_finite(row)
+        if row[self._code_index] not in _KNOWN_CODES:
+            raise self._unknown_code(row[self._code_index])
         return row
 
     def _non_finite(self, row: Sequence[float]) -> ValueError:
@@ -607,7 +623,40 @@ class RuntimePolicy:
         if not np.all(np.isfinite(X)):
             bad = [self.feature_set.names[j] for j in np.flatnonzero(~np.isfinite(X).all(axis=0))]  # type: ignore[union-attr]
             raise ValueError(f"non-finite feature values (NaN or inf) in: {', '.join(bad)}")
+        codes = X[:, self._code_index]
+        unknown = ~np.isin(codes, _KNOWN_CODES)
+        if unknown.any():
+            raise self._unknown_code(codes[unknown][0], int(np.flatnonzero(unknown)[0]))
         return X
+
+    def _unknown_code(self, value: float, row: int = 0) -> ValueError:
+        return ValueError(
+            f"compression_code {value:g} (row {row}) is not a known compression code "
+            f"({', '.join(f'{c} {n}' for n, c in COMPRESSION_CODES.items())})"
+        )
+
+    def _checked_gammas(self, gamma: np.ndarray) -> np.ndarray:
+        """``gamma`` if every value is one of the candidates; PolicyLoadError naming the first that is not."""
+        gamma = np.asarray(gamma).astype(np.int64).reshape(-1)
+        bad = ~np.isin(gamma, self.candidates)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise PolicyLoadError(
+                f"{self.path}: the model returned gamma {gamma[i]} (row {i}), not one of its candidates "
+                f"{self.candidates.tolist()}"
+            )
+        return gamma
+
+    def _checked_gate(self, opened: np.ndarray) -> np.ndarray:
+        """Gate outputs as bools if every value is 0 or 1; PolicyLoadError naming the first that is not."""
+        opened = np.asarray(opened).reshape(-1)
+        bad = (opened != 0) & (opened != 1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise PolicyLoadError(
+                f"{self.path}: the model's gate returned {opened[i].item()!r} (row {i}), expected 0 or 1"
+            )
+        return opened.astype(bool)
 
     def _one_row(self, features: Any, caller: str) -> np.ndarray:
         """One step's features, checked and copied into the input buffer bound at load: ``(1, F)`` float32."""
@@ -616,6 +665,8 @@ class RuntimePolicy:
         if type(features) is np.ndarray and features.dtype == np.float32 and features.shape == self._x.shape[1:]:
             if not np.isfinite(features).all():
                 raise self._non_finite(features.tolist())
+            if float(features[self._code_index]) not in _KNOWN_CODES:
+                raise self._unknown_code(float(features[self._code_index]))
             self._x[0] = features
         else:
             x = self._matrix(features)
@@ -685,7 +736,7 @@ class RuntimePolicy:
             if self._gate_times is not None:
                 return bool(self._gate_batch(x)[0])
             self._session.run_with_iobinding(self._io_gate)
-            return bool(self._gate_out[0])
+            return bool(self._checked_gate(self._gate_out)[0])
         except Exception as exc:
             if self.fallback_gamma is None:
                 raise
@@ -694,7 +745,7 @@ class RuntimePolicy:
 
     def _gate_batch(self, x: np.ndarray) -> np.ndarray:
         if self._gate_times is None:
-            return self._session.run(["gate"], {"features": x})[0].astype(bool)
+            return self._checked_gate(self._session.run(["gate"], {"features": x})[0])
         e = self._session.run(["gate_expected_tokens"], {"features": x})[0]
         return self._priced(e, x, self._gate_times)[0] > 0
 
@@ -711,7 +762,7 @@ class RuntimePolicy:
         x = self._matrix(features)
         if self._times is not None:
             return self._priced(self._session.run(["expected_tokens"], {"features": x})[0], x)[0]
-        return self._session.run(["gamma"], {"features": x})[0]
+        return self._checked_gammas(self._session.run(["gamma"], {"features": x})[0])
 
     def expected_values(self, features: Any) -> dict[str, np.ndarray]:
         """``gamma``, ``values`` (objective per candidate) and ``expected_tokens``."""

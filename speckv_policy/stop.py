@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .atomic import NotAFileError, readable_file
 from .objective import CostModel
 from .schema import COMPRESSION_CODES, PRE
 
@@ -446,8 +447,10 @@ class StopRule:
         if isinstance(source, dict):
             return cls.from_dict(source)
         where = os.fspath(source)
-        if not os.path.isfile(where):
-            raise FileNotFoundError(f"stop rule file not found: {where}")
+        try:
+            readable_file(where, "stop rule file")
+        except NotAFileError as exc:
+            raise StopRuleError(str(exc)) from None
         try:
             with open(where, encoding="utf-8") as fh:
                 d = json.load(fh)

@@ -162,7 +162,7 @@ def test_cost_model_borrows_slope_and_missing_levels(synthetic):
 def test_cost_model_rejects_bad_values():
     with pytest.raises(ValueError, match="needs 3 values"):
         CostModel((1.0,), (1.0,) * 3, (1.0,) * 3)
-    with pytest.raises(ValueError, match="verify_base_ms must be > 0"):
+    with pytest.raises(ValueError, match="verify_base_ms must be finite, > 0"):
         CostModel((1.0,) * 3, (0.0,) * 3, (1.0,) * 3)
 
 

@@ -16,11 +16,15 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..policies import POLICIES
 from .common import exit_cleanly_on_sigterm, fail, int_at_least, warn_if_one_gamma
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..objective import CostModel
 
 DEFAULT_LOG = "datasets/smollm2/steps.parquet"
 DEFAULT_KIND = "gbt"
@@ -64,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="COSTS_JSON",
         help="re-price INPUT.onnx with this cost model (from speckv-calibrate) and write OUTPUT.onnx; "
         "the acceptance model is kept, only the step-time prices change",
+    )
+    p.add_argument(
+        "--allow-one-gamma",
+        action="store_true",
+        help="with --reprice: write the output even when it drafts one gamma on every checked row where the input "
+        "did not (refused by default: usually a broken cost file)",
     )
     p.add_argument(
         "--feature-set",
@@ -136,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _reprice(args: argparse.Namespace) -> int:
-    from ..export import reprice_onnx, write_onnx
+    from ..atomic import readable_file
     from ..objective import CostModel
     from ..stop import StopRule
 
@@ -147,21 +157,19 @@ def _reprice(args: argparse.Namespace) -> int:
         )
         return 2
     src, dst = args.paths
-    rule = src.endswith(".json")  # a stop rule: the same curves, new prices
+    rule = src.lower().endswith(".json")  # a stop rule: the same curves, new prices
+    if rule != dst.lower().endswith(".json") or (not rule and not dst.lower().endswith(".onnx")):
+        kind = "a stop rule's JSON: name OUTPUT .json" if rule else "an ONNX export: name OUTPUT .onnx"
+        print(f"speckv-export: error: --reprice of {src} writes {kind}, got {dst}", file=sys.stderr)
+        return 2
     try:
         cm = CostModel.load(args.reprice)
+        readable_file(src, "stop rule" if rule else "export")
         if rule:
             StopRule.load(src).reprice(cm).save(dst)
+            summary = ""
         else:
-            import onnx
-
-            if not os.path.isfile(src):
-                raise FileNotFoundError(f"export not found: {src}")
-            try:
-                model = onnx.load(src)
-            except Exception as exc:  # protobuf's DecodeError and friends
-                raise ValueError(f"{src}: not a readable ONNX file ({exc})") from None
-            write_onnx(reprice_onnx(model, cm), dst)
+            summary = _reprice_onnx_checked(src, dst, cm, args.allow_one_gamma)
     except (ValueError, OSError) as exc:
         return fail("speckv-export", exc)
     what = "the stop rule " if rule else ""
@@ -169,7 +177,62 @@ def _reprice(args: argparse.Namespace) -> int:
     print(f"re-priced {what}{src} -> {dst} with the cost model in {args.reprice} ({cm.unit}, device {cm.device}{on}):")
     for line in cm.describe():
         print(f"  {line}")
+    if summary:
+        print(f"  {summary}")
     return 0
+
+
+def _reprice_onnx_checked(src: str, dst: str, cm: CostModel, allow_one_gamma: bool) -> str:
+    """Re-price the export ``src`` into ``dst`` only if the result loads, runs and decides; returns a summary line.
+
+    The input must load in the runtime (a malformed export is refused, not re-priced); the output is written to a
+    temporary, loaded and run on :func:`~speckv_policy.features.spanning_rows` under the runtime's contract, and it
+    replaces ``dst`` only then. An output that drafts one gamma on every row where the input did not is refused
+    unless ``allow_one_gamma``.
+    """
+    import onnx
+
+    from ..atomic import atomic_write
+    from ..export import reprice_onnx
+    from ..features import spanning_rows
+    from ..runtime import PolicyLoadError, RuntimePolicy
+
+    try:
+        before_rt = RuntimePolicy(src)
+    except PolicyLoadError as exc:
+        raise ValueError(f"cannot re-price: {exc}") from None
+    rows = spanning_rows(before_rt.feature_set)  # type: ignore[arg-type]
+
+    def decisions(rt: RuntimePolicy) -> np.ndarray:
+        return rt.decide_gated_batch(rows)[0] if rt.gated else rt.decide_batch(rows)
+
+    before = decisions(before_rt)
+    try:
+        model = onnx.load(src)
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise ValueError(f"{src}: not a readable ONNX file ({exc})") from None
+    data = reprice_onnx(model, cm).SerializeToString()
+    after: dict[str, np.ndarray] = {}
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        try:
+            after["gamma"] = decisions(RuntimePolicy(tmp))
+        except (PolicyLoadError, ValueError) as exc:
+            raise ValueError(f"the re-priced export does not run ({exc}); {dst} was not written") from None
+        one = np.unique(after["gamma"])
+        if len(one) == 1 and len(np.unique(before)) > 1 and not allow_one_gamma:
+            raise ValueError(
+                f"re-priced under these costs the export drafts gamma {one[0]} on every one of {len(rows)} spanning "
+                f"feature rows (before: gammas {np.unique(before).tolist()}); {dst} was not written. Check the cost "
+                "file; if one gamma is what these costs mean, pass --allow-one-gamma"
+            )
+
+    atomic_write(dst, write)
+    g = after["gamma"]
+    shares = ", ".join(f"{int(v)}: {np.mean(g == v):.0%}" for v in np.unique(g))
+    return f"checked: loads and decides on {len(rows)} spanning feature rows; gammas {shares}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..decisions import DEFAULT_MAX_GAMMA, checked_gamma
-from ..objective import CostModel
+from ..objective import CostModel, CostModelError
 from ..runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
 from ..schema import FeatureSet, compression_code, get_feature_set
 from ..stop import StopRule, StopRuleError, StopState
@@ -117,10 +117,11 @@ class RuleDecider(FallbackCounter):
         elif costs is not None:
             try:
                 cost = CostModel.load(costs)
-            except FileNotFoundError as exc:
-                raise ValueError(str(exc)) from None
-            if self.rule is not None:
-                self.rule = self.rule.reprice(cost)
+            except (OSError, CostModelError) as exc:  # a bad cost file falls back like a bad rule file
+                self.load_error, self.rule = exc, None
+            else:
+                if self.rule is not None:
+                    self.rule = self.rule.reprice(cost)
         top = self.rule.max_gamma if self.rule is not None else DEFAULT_MAX_GAMMA
         self.max_gamma = int(max_gamma) if max_gamma is not None else top
         if self.max_gamma < 1:
@@ -155,7 +156,10 @@ class RuleDecider(FallbackCounter):
         try:
             self.live.start(self.rule.cost_model, compression_code(compression))
             self.prices = self.live.stop_prices(self.rule.max_gamma)
-        except (ValueError, FileNotFoundError) as exc:
+        except (OSError, CostModelError) as exc:  # the prior's file is bad: every step falls back, one warning
+            self.load_error, self.rule = exc, None
+            return None
+        except ValueError as exc:
             raise ValueError(f"costs: the live estimator's prior cannot price this rule: {exc}") from None
         return self.live
 
@@ -206,13 +210,7 @@ class PolicyDecider(FallbackCounter):
         cands = None
         if self.load_error is not None:
             self.feature_set = feature_set
-            error = self.load_error
-
-            def _broken(features: Any) -> int:
-                raise error
-
-            self.decide_fn: Callable[[Any], Any] = _broken
-            self.gate_fn = _broken
+            self.disable(self.load_error)
         elif isinstance(policy, RuntimePolicy):
             self.feature_set = policy.feature_set or feature_set
             cands = policy.candidates
@@ -242,6 +240,18 @@ class PolicyDecider(FallbackCounter):
         self.max_gamma = int(max_gamma) if max_gamma is not None else max(top, 1)
         if self.max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {self.max_gamma}")
+
+    def disable(self, error: Exception) -> None:
+        """From now on every decision fails with ``error`` (one warning, then counted): a policy or its cost file
+        that cannot be used falls back, it never stops generation."""
+        self.load_error = error
+
+        def _broken(features: Any) -> int:
+            raise error
+
+        self.decide_fn: Callable[[Any], Any] = _broken
+        # a policy that never loaded may have had a gate; a loaded one keeps the gate it has
+        self.gate_fn = _broken if self.gate_fn is not None or self.runtime is None else None
 
     @property
     def has_gate(self) -> bool:
@@ -278,6 +288,10 @@ class PolicyDecider(FallbackCounter):
 def apply_costs(decider: PolicyDecider, costs: Any, compression: str) -> LiveCosts | None:
     """Apply ``attach(..., costs=...)`` to a length policy: re-price its export now, or return the live estimator.
 
+    A cost file that cannot be read or is not a valid cost model (missing, a
+    folder, a field of the wrong type or magnitude) disables the decider: every
+    step drafts the fallback gamma, with one warning, as for a broken policy file.
+
     Raises
     ------
     ValueError
@@ -313,11 +327,19 @@ def apply_costs(decider: PolicyDecider, costs: Any, compression: str) -> LiveCos
         try:
             costs.start(rt.cost_model, compression_code(compression))  # type: ignore[arg-type]
             rt.set_step_times(costs.table(rt.candidates), unit=costs.prior.unit if costs.prior else "ms")
-        except (ValueError, FileNotFoundError) as exc:
+        except (OSError, CostModelError) as exc:  # the prior's file is bad: every step falls back, one warning
+            decider.disable(exc)
+            return None
+        except ValueError as exc:
             raise ValueError(f"costs: the live estimator's prior cannot price {rt.path}: {exc}") from None
         return costs
     try:
-        rt.reprice(costs)
+        cost = CostModel.load(costs)
+    except (OSError, CostModelError) as exc:  # a bad cost file falls back like a bad policy file: one warning
+        decider.disable(exc)
+        return None
+    try:
+        rt.reprice(cost)
     except PolicyLoadError as exc:
         raise ValueError(str(exc)) from None
     return None
