@@ -16,7 +16,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["NotAFileError", "atomic_write", "atomic_write_dir", "atomic_write_text", "readable_file"]
+__all__ = [
+    "NotAFileError",
+    "atomic_write",
+    "atomic_write_dir",
+    "atomic_write_text",
+    "create_text_exclusive",
+    "readable_file",
+    "writable_file",
+]
 
 
 class NotAFileError(ValueError):
@@ -52,6 +60,19 @@ def readable_file(path: str | os.PathLike[str], what: str) -> Path:
         raise NotAFileError(f"{what} {p} is a folder, not a file")
     if not stat.S_ISREG(mode):
         raise NotAFileError(f"{what} {p} is not a regular file (a FIFO, socket or device); refusing to read it")
+    return p
+
+
+def writable_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` if an atomic write may replace it (absent, or a regular file), checked before any long work.
+
+    Raises
+    ------
+    ValueError
+        If it exists and is a folder, a FIFO, a socket, a device or a link.
+    """
+    p = Path(path)
+    _refuse_non_regular(p)
     return p
 
 
@@ -151,3 +172,27 @@ def atomic_write_dir(path: str | os.PathLike[str], write: Callable[[Path], objec
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def create_text_exclusive(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> bool:
+    """Write ``text`` to ``path`` only if nothing is there, atomically: complete or absent, never half-written.
+
+    Of several processes creating the same file at once exactly one succeeds
+    (the complete file is hard-linked into place, which fails if the name
+    exists). Returns whether this call created it.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding=encoding) as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, _plain_file_mode(path))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.unlink(tmp)

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from .atomic import atomic_write, atomic_write_text
+from .atomic import NotAFileError, atomic_write, create_text_exclusive, readable_file
 from .schema import COMPRESSIONS, CONTEXT_MATCH_CAP, DECODINGS, SIGNAL_COLUMNS, TASK_TYPES
 
 LOG_SCHEMA_VERSION = 2  # v2 added SIGNAL_COLUMNS; v1 logs still read (those columns NaN)
@@ -261,8 +261,43 @@ def write_log(
     """
     valid = validate_log(df, source=str(path))
     table = _to_table(valid, metadata)
-    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    atomic_write(path, lambda tmp: _write_parquet(table, tmp))
     return valid
+
+
+def _write_parquet(table: pa.Table, path: str) -> None:
+    """Write ``table`` with a CRC-32 checksum on every page (verified on every read: a flipped bit is an error)."""
+    pq.write_table(table, path, write_page_checksum=True)
+
+
+def _version_problem(version: Any) -> str | None:
+    """Why ``version`` is not a log schema version this package reads (None if it is one)."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= LOG_SCHEMA_VERSION:
+        return f"log schema version {version!r}: expected an integer from 1 to {LOG_SCHEMA_VERSION}"
+    return None
+
+
+def _parse_version(raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return int(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        return raw.decode(errors="replace")
+
+
+def _check_metadata_agrees(where: Path, recorded: Mapping[str, str], given: Mapping[str, str] | None) -> None:
+    """Refuse rows whose metadata (e.g. ``profile_settings``) differs from what the log recorded when created."""
+    differ = [k for k, v in (given or {}).items() if k in recorded and recorded[k] != str(v)]
+    if differ:
+        detail = "; ".join(f"{k}: {recorded[k]} in the log, {given[k]} for these rows" for k in differ)  # type: ignore[index]
+        raise LogValidationError(
+            str(where),
+            [
+                f"these rows were made with other settings than the log ({detail}); refusing to mix them "
+                "(write them to another log)"
+            ],
+        )
 
 
 def append_log(
@@ -278,7 +313,9 @@ def append_log(
     A single file is rewritten whole, O(log).
 
     ``metadata`` (``speckv.``-prefixed in the file) is recorded when the log is
-    created; an existing log keeps the metadata it has.
+    created; an existing log keeps the metadata it has, and rows whose
+    metadata differs from it on a key both have (two profiles with different
+    settings into one log) are refused: the first writer wins.
 
     The new rows are validated together with the existing ones before anything
     is written, so an invalid batch leaves the file exactly as it was.
@@ -292,6 +329,7 @@ def append_log(
         if path.exists():
             old = read_log(path)
             meta = read_log_metadata(path)
+            _check_metadata_agrees(path, meta, metadata)
             new = pd.concat([old, validate_log(new, source=f"{path} (appended rows)")], ignore_index=True)
         return write_log(new, path, metadata=meta)
 
@@ -323,7 +361,14 @@ def read_log_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def _file_metadata(path: Path) -> dict[str, str]:
-    raw = pq.read_schema(path).metadata or {}
+    try:
+        readable_file(path, "step log")
+    except NotAFileError as exc:
+        raise LogValidationError(str(path), [str(exc)]) from None
+    try:
+        raw = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as exc:
+        raise LogValidationError(str(path), [f"not a readable Parquet file ({exc})"]) from exc
     return {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"speckv.")}
 
 
@@ -344,24 +389,32 @@ def read_log(path: str | os.PathLike[str]) -> pd.DataFrame:
         raise FileNotFoundError(f"step log not found: {path}")
     if path.is_dir():
         return read_log_dataset(path)
+    try:
+        readable_file(path, "step log")
+    except NotAFileError as exc:
+        raise LogValidationError(str(path), [str(exc)]) from None
     suffix = path.suffix.lower()
     if suffix == ".csv":
         return read_csv_log(path)
     if suffix not in (".parquet", ".pq"):
         raise LogValidationError(str(path), [f"unknown log format '{suffix}': expected .parquet or .csv"])
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
         raise LogValidationError(str(path), [f"not a readable Parquet file ({exc})"]) from exc
-    version = (table.schema.metadata or {}).get(b"speckv.log_schema_version")
-    if version is None:
+    raw = (table.schema.metadata or {}).get(b"speckv.log_schema_version")
+    if raw is None:
         raise LogValidationError(
             str(path), ["no 'speckv.log_schema_version' in the file metadata: not a speckv step log"]
         )
-    if int(version) > LOG_SCHEMA_VERSION:
+    version = _parse_version(raw)
+    if isinstance(version, int) and version > LOG_SCHEMA_VERSION:
         raise LogValidationError(
-            str(path), [f"log schema version {int(version)} is newer than this package's ({LOG_SCHEMA_VERSION})"]
+            str(path), [f"log schema version {version} is newer than this package's ({LOG_SCHEMA_VERSION})"]
         )
+    problem = _version_problem(version)
+    if problem:
+        raise LogValidationError(str(path), [problem])
     return validate_log(table.to_pandas(), source=str(path))
 
 
@@ -423,7 +476,10 @@ def part_path(directory: str | os.PathLike[str], run_id: str, prompt_id: str, co
 def _read_marker(directory: Path) -> dict[str, Any]:
     marker = directory / DATASET_MARKER
     try:
+        readable_file(marker, "dataset marker")
         data = json.loads(marker.read_text())
+    except NotAFileError as exc:
+        raise LogValidationError(str(marker), [str(exc)]) from None
     except FileNotFoundError:
         raise LogValidationError(
             str(directory), [f"no {DATASET_MARKER}: not a speckv log dataset (a directory written by speckv-profile)"]
@@ -432,31 +488,30 @@ def _read_marker(directory: Path) -> dict[str, Any]:
         raise LogValidationError(str(marker), [f"unreadable dataset marker ({exc})"]) from None
     if not isinstance(data, dict) or data.get("format") != DATASET_FORMAT:
         raise LogValidationError(str(marker), [f"expected a JSON object with format {DATASET_FORMAT!r}"])
-    version = data.get("log_schema_version")
-    if not isinstance(version, int) or version > LOG_SCHEMA_VERSION:
-        raise LogValidationError(
-            str(marker), [f"log schema version {version!r}: expected an integer <= {LOG_SCHEMA_VERSION}"]
-        )
-    if not isinstance(data.get("metadata", {}), dict):
+    problem = _version_problem(data.get("log_schema_version"))
+    if problem:
+        raise LogValidationError(str(marker), [problem])
+    meta = data.setdefault("metadata", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise LogValidationError(str(marker), ["'metadata' must be a JSON object of strings"])
-    data.setdefault("metadata", {})
     return data
 
 
 def _ensure_marker(directory: Path, metadata: Mapping[str, str] | None) -> None:
-    """Create the dataset marker if absent; an existing dataset keeps its metadata."""
+    """Create the dataset marker if absent (exclusively: of two writers creating it at once, the first wins), then
+    check the rows' metadata against the dataset's: parts made with other settings are refused."""
     marker = directory / DATASET_MARKER
-    if marker.exists():
-        _read_marker(directory)  # refuse to add parts to something that is not a compatible dataset
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    body = {
-        "format": DATASET_FORMAT,
-        "log_schema_version": LOG_SCHEMA_VERSION,
-        "partitioning": [PARTITION_COLUMN],
-        "metadata": {k: str(v) for k, v in (metadata or {}).items()},
-    }
-    atomic_write_text(marker, json.dumps(body, indent=1, sort_keys=True) + "\n")
+    if not os.path.lexists(marker):
+        directory.mkdir(parents=True, exist_ok=True)
+        body = {
+            "format": DATASET_FORMAT,
+            "log_schema_version": LOG_SCHEMA_VERSION,
+            "partitioning": [PARTITION_COLUMN],
+            "metadata": {k: str(v) for k, v in (metadata or {}).items()},
+        }
+        create_text_exclusive(marker, json.dumps(body, indent=1, sort_keys=True) + "\n")  # False: another was first
+    recorded = _read_marker(directory)  # refuse to add parts to something that is not a compatible dataset
+    _check_metadata_agrees(marker, recorded["metadata"], metadata)
 
 
 def write_log_parts(
@@ -482,15 +537,49 @@ def write_log_parts(
         table = _to_table(unit, None).drop_columns([PARTITION_COLUMN])
         target = part_path(directory, run_id, prompt_id, compression)
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(target, lambda tmp, table=table: pq.write_table(table, tmp))
+        atomic_write(target, lambda tmp, table=table: _write_parquet(table, tmp))
     return valid
 
 
 def _dataset(directory: Path) -> pads.Dataset:
+    """The dataset's parts, each checked: a regular file, a known schema version, and no column contradicting its
+    partition directory (pyarrow would read the directory's value); page checksums are verified as it reads."""
+    fmt = pads.ParquetFileFormat(
+        default_fragment_scan_options=pads.ParquetFragmentScanOptions(page_checksum_verification=True)
+    )
     try:
-        return pads.dataset(directory, format="parquet", partitioning=_PARTITIONING, schema=_dataset_schema())
+        ds = pads.dataset(directory, format=fmt, partitioning=_PARTITIONING, schema=_dataset_schema())
     except (pa.ArrowException, OSError) as exc:
         raise LogValidationError(str(directory), [f"not a readable Parquet dataset ({exc})"]) from exc
+    for sub in directory.glob(f"{PARTITION_COLUMN}=*/*.parquet"):  # pyarrow skips special files: refuse them
+        try:
+            readable_file(sub, "part file")
+        except NotAFileError as exc:
+            raise LogValidationError(str(sub), [str(exc)]) from None
+    for part in ds.files:
+        _check_part(Path(part))
+    return ds
+
+
+def _check_part(part: Path) -> None:
+    try:
+        readable_file(part, "part file")
+        schema = pq.read_schema(part)
+    except NotAFileError as exc:
+        raise LogValidationError(str(part), [str(exc)]) from None
+    except (pa.ArrowException, OSError) as exc:
+        raise LogValidationError(str(part), [f"not a readable Parquet file ({exc})"]) from exc
+    problem = _version_problem(_parse_version((schema.metadata or {}).get(b"speckv.log_schema_version")))
+    if problem:
+        raise LogValidationError(str(part), [problem])
+    if PARTITION_COLUMN in schema.names:
+        where = part.parent.name.partition("=")[2]
+        values = set(pq.read_table(part, columns=[PARTITION_COLUMN]).column(0).to_pylist())
+        if values != {where}:
+            raise LogValidationError(
+                str(part),
+                [f"column {PARTITION_COLUMN!r} holds {sorted(map(str, values))}, but the part lies under {where!r}"],
+            )
 
 
 def _dataset_schema() -> pa.Schema:

@@ -449,7 +449,7 @@ def test_costs_reprice_the_export_and_stay_lossless(pair, fitted, tmp_path):
 def test_costs_errors(pair, fitted, tmp_path):
     from speckv_policy.export import export_onnx
 
-    target, _ = pair
+    target, draft = pair
     export_onnx(fitted["paper-mlp16"], tmp_path / "p.onnx")
     export_onnx(fitted["table"], tmp_path / "t.onnx")
     with pytest.raises(ValueError, match="needs an ONNX export"):
@@ -458,9 +458,12 @@ def test_costs_errors(pair, fitted, tmp_path):
         attach(target, lambda s: 2, compression="fp32", mode="fixed", costs="live")
     with pytest.raises(ValueError, match="maximises tokens_per_step"):
         attach(target, str(tmp_path / "p.onnx"), compression="fp32", mode="truncate", costs="live")
-    with pytest.raises(ValueError, match="cost model file not found: .*nope.json"):
-        attach(target, str(tmp_path / "t.onnx"), compression="fp32", costs=tmp_path / "nope.json")
     assert "_get_candidate_generator" not in target.__dict__  # a refused attach leaves the model untouched
+    # a missing cost file is not a misuse but a bad file: one warning and the fallback gamma, like a bad policy file
+    with pytest.warns(PolicyFallbackWarning, match="cost model file not found: .*nope.json"):
+        with attach(target, str(tmp_path / "t.onnx"), compression="fp32", costs=tmp_path / "nope.json") as h:
+            target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8, do_sample=False, assistant_model=draft)
+    assert h.summary()["fallbacks"] > 0
 
 
 def test_failing_live_costs_never_break_generation(pair, fitted, tmp_path):

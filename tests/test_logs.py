@@ -135,7 +135,7 @@ def test_failed_write_keeps_the_good_file(small, tmp_path, monkeypatch):
     # a crash in the middle of writing leaves the old file and no temp file
     import speckv_policy.logs as logs_mod
 
-    def boom(table, where):
+    def boom(table, where, **kwargs):
         with open(where, "wb") as fh:
             fh.write(b"half")
         raise OSError("disk full")

@@ -11,14 +11,18 @@ import math
 import sys
 import time
 
+from ..atomic import writable_file
 from ..objective import COMPRESSION_NAMES_BY_CODE
+from ..schema import COMPRESSIONS
 from .common import (
     add_draft_linear_argument,
     add_draft_precision_argument,
     add_target_linear_argument,
+    comma_list,
     exit_cleanly_on_sigterm,
     fail,
     int_at_least,
+    torch_device,
 )
 
 
@@ -43,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default="datasets/smollm2/draft", help="draft model folder (default: the shipped one)")
     p.add_argument("--prompts", default="datasets/prompts/prompts.jsonl", help="JSON-lines prompt file")
     p.add_argument(
-        "--compressions", default="fp32,int8,nf4", help="comma-separated target levels to time (default fp32,int8,nf4)"
+        "--compressions",
+        type=comma_list(COMPRESSIONS),
+        default=("fp32", "int8", "nf4"),
+        help="comma-separated target levels to time (default fp32,int8,nf4)",
     )
     p.add_argument(
         "--seconds",
@@ -57,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-new-tokens", type=int_at_least(4), default=48, help="new tokens per timed generation (default 48)"
     )
-    p.add_argument("--device", default="cpu", help="torch device the models run on: cpu (default) or cuda[:N]")
+    p.add_argument(
+        "--device", type=torch_device, default="cpu", help="torch device the models run on: cpu (default) or cuda[:N]"
+    )
     add_draft_precision_argument(p)
     add_target_linear_argument(p)
     add_draft_linear_argument(p)
@@ -69,15 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     from ..prompts import PromptFileError, read_prompts
     from ..smollm2.models import SMOLLM2_MODELS
 
-    comps = tuple(c.strip() for c in args.compressions.split(",") if c.strip())
+    comps = args.compressions
     t0 = time.perf_counter()
 
     def progress(comp: str, steps: int, seconds: float) -> None:
         print(f"\r  {comp}: {steps} steps timed in {seconds:.0f} s", end="", file=sys.stderr, flush=True)
 
     try:
-        if args.gamma_max < 1:
-            raise ValueError(f"--gamma-max must be >= 1, got {args.gamma_max}")
+        writable_file(args.out)  # refused now, not after minutes of timing
         prompts = [q for q in read_prompts(args.prompts) if q.split == "train"] or read_prompts(args.prompts)
         cfg = CalibrationConfig(
             target=args.target,

@@ -26,6 +26,59 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def comma_list(
+    choices: tuple[str, ...] | None = None, *, cast: Callable[[str], object] = str
+) -> Callable[[str], tuple]:
+    """argparse type: a non-empty comma-separated list without repeats, each item one of ``choices`` (if given).
+
+    ``cast`` converts each item (e.g. ``int_at_least(0)``); its errors name the item.
+    """
+
+    def parse(text: str) -> tuple:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        if choices is not None:
+            unknown = [t for t in items if t not in choices]
+            if unknown:
+                raise argparse.ArgumentTypeError(
+                    f"unknown value(s) {', '.join(map(repr, unknown))}; expected some of {', '.join(choices)}"
+                )
+        if len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(f"a value is repeated in {text!r}")
+        try:
+            return tuple(cast(t) for t in items)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise argparse.ArgumentTypeError(f"in {text!r}: {exc}") from None
+
+    return parse
+
+
+def device_name(text: str) -> str:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (the form only; :func:`torch_device` also checks it is here)."""
+    import re
+
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text.strip()) is None:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text.strip()
+
+
+def torch_device(text: str) -> str:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N`` naming a device this machine has (checked with torch)."""
+    name = device_name(text)
+    if name.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no CUDA device here (torch {torch.__version__} sees none); use --device cpu"
+            )
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return name
+
+
 #: The ``--draft-precision`` choices (validated again by ``hf.models.draft_precision``; tests keep the two equal).
 DRAFT_PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
 

@@ -19,7 +19,7 @@ from ..atomic import atomic_write, atomic_write_text
 from ..prompts import read_prompts, write_prompt_file
 from ..smollm2.distill import agreement, fit_copy, generate_corpus, train_draft
 from ..smollm2.draft_model import DRAFT_META, head_slots, load_draft, save_draft
-from .common import exit_cleanly_on_sigterm, fail
+from .common import exit_cleanly_on_sigterm, fail, float_in, int_at_least
 
 
 class DistillError(ValueError):
@@ -124,28 +124,39 @@ def _main(argv: list[str] | None = None) -> int:
         help="prompt file whose held-out prompts must not be repeated",
     )
     g.add_argument("--out", required=True, help="JSON-lines prompt file to write")
-    g.add_argument("--per-task", type=int, default=220, help="prompts per task type (default 220)")
+    g.add_argument("--per-task", type=int_at_least(1), default=220, help="prompts per task type (default 220)")
     g.add_argument("--seed", type=int, default=0, help="seed of the templates' fillers (default 0)")
     c = sub.add_parser("corpus", help="let the target answer the prompts; record its top-k distributions")
     c.add_argument("--prompts", required=True, help="JSON-lines prompt file to answer")
     c.add_argument("--out", required=True, help="corpus file to write (resumable)")
-    c.add_argument("--samples", type=int, default=4, help="answers per training prompt (1 greedy + sampled)")
-    c.add_argument("--max-new-tokens", type=int, default=160, help="new tokens per answer (default 160)")
-    c.add_argument("--batch-size", type=int, default=16, help="prompts answered per batch (default 16)")
+    c.add_argument(
+        "--samples", type=int_at_least(1), default=4, help="answers per training prompt (1 greedy + sampled)"
+    )
+    c.add_argument("--max-new-tokens", type=int_at_least(1), default=160, help="new tokens per answer (default 160)")
+    c.add_argument("--batch-size", type=int_at_least(1), default=16, help="prompts answered per batch (default 16)")
     c.add_argument("--dtype", default="bf16", help="dtype the target answers in (default bf16)")
-    c.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers (default 0.8)")
+    c.add_argument(
+        "--temperature",
+        type=float_in(0.0, 100.0, low_open=True),
+        default=0.8,
+        help="temperature of the sampled answers (default 0.8)",
+    )
     c.add_argument("--seed", type=int, default=0, help="seed of the sampled answers (default 0)")
     c.add_argument("--sampled-only", action="store_true", help="no greedy answers (for an extra corpus)")
     t = sub.add_parser("train", help="train the draft on a corpus")
     t.add_argument("--corpus", required=True, help="corpus file(s), comma-separated")
     t.add_argument("--out", required=True, help="draft folder to write")
-    t.add_argument("--minutes", type=float, default=28.0, help="training time budget (default 28)")
+    t.add_argument(
+        "--minutes", type=float_in(0.0, 1e6, low_open=True), default=28.0, help="training time budget (default 28)"
+    )
     t.add_argument("--layers", default="0,1", help="target layers the draft starts from, comma-separated (default 0,1)")
-    t.add_argument("--head-size", type=int, default=8192, help="tokens of the reduced output head (default 8192)")
-    t.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    t.add_argument(
+        "--head-size", type=int_at_least(1), default=8192, help="tokens of the reduced output head (default 8192)"
+    )
+    t.add_argument("--lr", type=float_in(0.0, 10.0, low_open=True), default=1e-3, help="learning rate (default 1e-3)")
     t.add_argument(
         "--val-fraction",
-        type=float,
+        type=float_in(0.0, 0.9),
         default=0.1,
         help="share of training prompts for checkpoint selection (0: keep the last step)",
     )
@@ -157,7 +168,7 @@ def _main(argv: list[str] | None = None) -> int:
     )
     k = sub.add_parser("cost", help="ms per generated token: draft vs target (fp32, CPU)")
     k.add_argument("--draft", required=True, help="draft folder")
-    k.add_argument("--tokens", type=int, default=32, help="tokens generated per timing (default 32)")
+    k.add_argument("--tokens", type=int_at_least(1), default=32, help="tokens generated per timing (default 32)")
     k.add_argument("--no-copy", action="store_true", help="time the draft without its context-copy gate")
     k.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="the draft's dtype")
     cp = sub.add_parser("copy", help="fit the draft's context-copy gate on its validation answers (updates draft.json)")

@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from ..hf.profiler import ProfileConfig, profile
 from ..logs import LogValidationError
 from ..prompts import PromptFileError, read_prompts
+from ..schema import COMPRESSIONS, DECODINGS
 from ..smollm2.models import SMOLLM2_MODELS
 from .common import (
     add_draft_linear_argument,
     add_draft_precision_argument,
     add_target_linear_argument,
+    comma_list,
+    device_name,
     exit_cleanly_on_sigterm,
     fail,
     float_in,
     int_at_least,
+    torch_device,
 )
-
-
-def _csv(text: str, cast: Any = str) -> tuple[Any, ...]:
-    return tuple(cast(t.strip()) for t in text.split(",") if t.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,11 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--compressions",
-        default="fp32,int8,nf4",
+        type=comma_list(COMPRESSIONS),
+        default=("fp32", "int8", "nf4"),
         help="comma-separated target levels to profile (default fp32,int8,nf4)",
     )
     p.add_argument(
-        "--decodings", default="greedy,sampling", help="comma-separated decodings: greedy, sampling (default both)"
+        "--decodings",
+        type=comma_list(DECODINGS),
+        default=("greedy", "sampling"),
+        help="comma-separated decodings: greedy, sampling (default both)",
     )
     p.add_argument(
         "--gamma-max",
@@ -57,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.15,
         help="share of steps that draft a random gamma in 0..gamma-max, so the cost model sees every gamma (default 0.15)",
     )
-    p.add_argument("--fixed-gammas", default="", help="also run constant gammas, e.g. 2,4,6,8 (the paper's runs)")
+    p.add_argument(
+        "--fixed-gammas",
+        type=comma_list(cast=int_at_least(0)),
+        default=(),
+        help="also run constant gammas, e.g. 2,4,6,8 (the paper's runs)",
+    )
     p.add_argument("--max-new-tokens", type=int_at_least(2), default=64, help="new tokens per answer (default 64)")
     p.add_argument(
         "--temperature",
@@ -65,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.7,
         help="sampling temperature of the sampling runs (default 0.7)",
     )
-    p.add_argument("--device", default="cpu", help="torch device the models run on: cpu (default) or cuda[:N]")
+    p.add_argument(
+        "--device",
+        type=device_name,
+        default="cpu",
+        help="torch device the models run on: cpu (default) or cuda[:N] (with --ray: on the workers)",
+    )
     add_draft_precision_argument(p)
     add_target_linear_argument(p)
     add_draft_linear_argument(p)
@@ -90,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.workers is not None and args.ray is None:
         p.error("--workers needs --ray")
+    if args.ray is None:  # the models run here: the device must be here too
+        try:
+            torch_device(args.device)
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"argument --device: {exc}")
     exit_cleanly_on_sigterm()
     try:
         prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
@@ -97,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             target=args.target,
             draft=args.draft,
             out=args.out,
-            compressions=_csv(args.compressions),
-            decodings=_csv(args.decodings),
+            compressions=args.compressions,
+            decodings=args.decodings,
             gamma_max=args.gamma_max,
             calibration_fraction=args.calibration_fraction,
-            fixed_gammas=_csv(args.fixed_gammas, int),
+            fixed_gammas=args.fixed_gammas,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             device=args.device,
@@ -111,9 +129,6 @@ def main(argv: list[str] | None = None) -> int:
             target_linear=args.target_linear,
             draft_linear=args.draft_linear,
         )
-        for d in cfg.decodings:
-            if d not in ("greedy", "sampling"):
-                raise ValueError(f"unknown decoding {d!r}; expected greedy or sampling")
         counts = profile(
             cfg, prompts, models=SMOLLM2_MODELS, force_new=args.force_new, ray_address=args.ray, workers=args.workers
         )

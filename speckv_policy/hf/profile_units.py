@@ -63,6 +63,19 @@ def profile_settings(cfg: ProfileConfig) -> str:
     return json.dumps(d, sort_keys=True)
 
 
+def _recorded_settings(out: Path, recorded: str | None) -> dict[str, Any] | None:
+    """The settings a log recorded (None if it recorded none); ValueError naming the log if they are not an object."""
+    if recorded is None:
+        return None
+    try:
+        was = json.loads(recorded)
+    except ValueError:
+        was = None
+    if not isinstance(was, dict):
+        raise ValueError(f"{out}: its recorded profile_settings are not a JSON object ({recorded[:80]!r})")
+    return was
+
+
 def profile_units(cfg: ProfileConfig, prompts: list[Prompt]) -> Iterator[tuple[str, str, str, int | None, Prompt]]:
     for comp in cfg.compressions:
         for dec in cfg.decodings:
@@ -212,8 +225,9 @@ def plan_profile(
     done: set[tuple[str, str]] = set()
     if out.exists():
         recorded = read_log_metadata(out).get("profile_settings")
-        if recorded is not None and json.loads(recorded) != json.loads(settings):
-            was, now = json.loads(recorded), json.loads(settings)
+        was = _recorded_settings(out, recorded)
+        if was is not None and was != json.loads(settings):
+            now = json.loads(settings)
             diff = ", ".join(
                 f"{k}: {was.get(k)!r} in the log, {now.get(k)!r} now"
                 for k in sorted(set(was) | set(now))

@@ -337,6 +337,10 @@ def _chat(rng: random.Random, templates: list[str]) -> str:
     return rng.choice(templates).format(topic=rng.choice(CHAT_TOPICS), concept=rng.choice(CHAT_CONCEPTS))
 
 
+#: Draws in a row without a new prompt after which the templates count as spent.
+SPENT_AFTER_MISSES = 20_000
+
+
 def template_prompts(per_task: int, *, seed: int = 0, exclude: set[str] = frozenset()) -> dict[str, list[str]]:
     """Distinct template prompts per task type; ``summarization`` holds passage *requests*.
 
@@ -359,12 +363,16 @@ def template_prompts(per_task: int, *, seed: int = 0, exclude: set[str] = frozen
     out: dict[str, list[str]] = {}
     for task, make in makers.items():
         seen: set[str] = set()
+        misses = 0  # draws in a row that made nothing new: the templates are spent long before per_task * 200
         for _ in range(per_task * 200):
-            if len(seen) >= per_task:
+            if len(seen) >= per_task or misses >= SPENT_AFTER_MISSES:
                 break
             text = make()
             if text not in exclude and text not in seen:
                 seen.add(text)
+                misses = 0
+            else:
+                misses += 1
         if len(seen) < per_task:
             raise ValueError(
                 f"only {len(seen)} distinct {task} prompts can be made from the templates (asked for {per_task})"
