@@ -34,6 +34,7 @@ from .features import OnlineFeatureState, gated_features, gated_values, paper_fe
 from .stop import StopRule, StopState
 
 __all__ = [
+    "DECLARED_MODE",
     "DEFAULT_MAX_GAMMA",
     "MODES",
     "DecisionMode",
@@ -54,6 +55,8 @@ __all__ = [
 
 #: The decision modes, as ``attach(..., mode=...)`` names them.
 MODES = ("upfront", "per-token", "truncate", "fixed", "pre", "gated", "stop")
+#: The mode a policy runs in by default, by the feature set it reads.
+DECLARED_MODE = {"online": "upfront", "paper": "truncate", "pre": "pre", "gated": "gated"}
 #: The draft cap of a policy that names no candidates.
 DEFAULT_MAX_GAMMA = 8
 #: The largest gamma a fixed schedule may ask for.

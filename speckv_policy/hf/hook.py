@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..decisions import FIXED_GAMMA_LIMIT, MODES, make_mode
+from ..decisions import DECLARED_MODE, FIXED_GAMMA_LIMIT, MODES, make_mode
 from ..runtime import DEFAULT_FALLBACK_GAMMA, RuntimePolicy
 from ..schema import COMPRESSIONS, GATED, ONLINE, PAPER, PRE, get_feature_set
 from ..settings import HookSettings
@@ -51,7 +51,6 @@ from .live_costs import LiveCosts
 __all__ = ["MODES", "SpeckvHandle", "StepStats", "attach", "detect_compression"]
 
 #: The decision mode each feature set runs in (``online`` also runs ``per-token``, on request).
-DECLARED_MODE = {ONLINE.name: "upfront", PAPER.name: "truncate", PRE.name: "pre", GATED.name: "gated"}
 _MODE_FEATURES = {"upfront": ONLINE, "per-token": ONLINE, "truncate": PAPER, "pre": PRE, "gated": GATED}
 #: ``attach`` keywords that moved into :class:`~speckv_policy.settings.HookSettings` (kept for one release).
 _LEGACY_SETTINGS = (

@@ -23,6 +23,7 @@ HF's cache cropping after a rejection simply overwrites stale entries.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -159,6 +160,10 @@ def copy_argmax(
     return torch.where(take, cand, head_ids[log_q.argmax(-1)])
 
 
+#: The name LlamaForCausalLM.forward gives its cache argument in the installed transformers (renamed in 5.2x).
+_PARENT_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
 class ContextCopyDraft(LlamaForCausalLM):
     """The distilled draft with a fitted context-copy mixture on its output.
 
@@ -220,11 +225,11 @@ class ContextCopyDraft(LlamaForCausalLM):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         past = cache.get_seq_length() if cache is not None else 0
+        kwargs[_PARENT_CACHE_ARG] = cache  # transformers 5.2x calls it 'cache', earlier 5.x 'past_key_values'
         out = super().forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=use_cache,
             logits_to_keep=logits_to_keep,
             **kwargs,

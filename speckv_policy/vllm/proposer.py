@@ -1,0 +1,342 @@
+"""A vLLM custom proposer that drafts with a Hugging Face draft model and lets a speckv policy size every draft.
+
+vLLM loads it by its import path (``speculative_config={"method": "custom_class", "model":
+"speckv_policy.vllm.SpeckvProposer", "num_speculative_tokens": N}``) inside its engine process, and calls
+:meth:`SpeckvProposer.propose` once per engine step with every running request's tokens; it returns one draft per
+request, of any length up to ``N``: the length the policy chose for that request at that step. vLLM verifies the
+drafts (its rejection sampler treats a proposer's tokens as certain, as for n-gram drafts), so whatever the policy
+chooses, greedy output equals the target's and sampling keeps its distribution.
+
+The policy runs the decision mode its file declares, with the same classes as the Hugging Face hook
+(:mod:`speckv_policy.decisions`) and the same feature code (:class:`~speckv_policy.features.OnlineFeatureState`,
+:class:`~speckv_policy.features.ContextMatcher`). The proposer's settings travel to the engine process in the
+environment variable :data:`ENV_VAR` as JSON (see :func:`speculative_config`): vLLM passes the class only its own
+configuration.
+
+Requests are recognised across steps by their tokens: the context a request had when the proposer drafted for it is
+the current context minus the tokens sampled since (the accepted draft tokens and one more), so no request id is
+needed. Torch is imported lazily (only where a draft model runs); the policy is read by the lean runtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..decisions import DECLARED_MODE, DEFAULT_MAX_GAMMA, DecisionMode, PlainDecider, PlainSchedule, make_mode
+from ..features import ContextMatcher, OnlineFeatureState, draft_token_stats_one
+from ..runtime import PolicyFallbackWarning, RuntimePolicy
+from ..schema import COMPRESSIONS
+
+__all__ = ["ENV_VAR", "ProposerSettings", "SpeckvProposer", "speculative_config"]
+
+#: The environment variable carrying :class:`ProposerSettings` (JSON) to vLLM's engine process.
+ENV_VAR = "SPECKV_VLLM"
+#: The class vLLM imports.
+PROPOSER_PATH = "speckv_policy.vllm.SpeckvProposer"
+#: Proposer calls a request may go unseen before its state is forgotten (a finished or preempted request).
+FORGET_AFTER_CALLS = 64
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """What the proposer drafts with and how it decides.
+
+    Parameters
+    ----------
+    draft : str
+        The draft model, as ``draft_loader`` reads it (a local Hugging Face folder by default).
+    policy : str or int
+        An ONNX export (``speckv-export``; its feature set names its mode) or an int: a fixed gamma.
+    compression : str, default="fp32"
+        The target's compression level, as the policy's features name it.
+    temperature : float, default=0.0
+        The sampling temperature of the requests (0 for greedy), a policy feature.
+    costs : str or None
+        A cost file (``speckv-calibrate``) to re-price the export with.
+    fallback_gamma : int, default=2
+        Gamma drafted where the policy fails (one warning).
+    draft_loader : str, default="speckv_policy.hf.models.load_model"
+        Import path of ``load(spec, compression, device) -> model``; ``speckv_policy.smollm2.models.load_model``
+        also reads the distilled SmolLM2 draft.
+    device : str, default="cpu"
+        Where the draft runs.
+    """
+
+    draft: str
+    policy: str | int = 2
+    compression: str = "fp32"
+    temperature: float = 0.0
+    costs: str | None = None
+    fallback_gamma: int = 2
+    draft_loader: str = "speckv_policy.hf.models.load_model"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression {self.compression!r}: expected one of {', '.join(COMPRESSIONS)}")
+        if isinstance(self.policy, bool) or not isinstance(self.policy, (str, int)):
+            raise ValueError(f"policy must be an export's path or an int gamma, got {self.policy!r}")
+        if isinstance(self.policy, int) and not 0 <= self.policy <= 64:
+            raise ValueError(f"a fixed gamma must be in 0..64, got {self.policy}")
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if "." not in self.draft_loader:
+            raise ValueError(
+                f"draft_loader must be an import path 'package.module.function', got {self.draft_loader!r}"
+            )
+
+    def to_json(self) -> str:
+        """The settings as JSON (what :data:`ENV_VAR` holds)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> ProposerSettings:
+        """The settings in :data:`ENV_VAR`.
+
+        Raises
+        ------
+        ValueError
+            If the variable is missing or does not hold the settings (naming the variable).
+        """
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV_VAR)
+        if raw is None:
+            raise ValueError(
+                f"{ENV_VAR} is not set: build the speculative config with speckv_policy.vllm.speculative_config(...), "
+                "which sets it for the engine"
+            )
+        try:
+            d = json.loads(raw)
+            if not isinstance(d, dict):
+                raise TypeError(f"expected a JSON object, got {type(d).__name__}")
+            return cls(**d)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{ENV_VAR}: not proposer settings ({exc})") from None
+
+
+def speculative_config(
+    draft: str,
+    policy: str | int = 2,
+    *,
+    max_gamma: int = DEFAULT_MAX_GAMMA,
+    environ: dict[str, str] | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for the speckv proposer, with its settings put in the environment.
+
+    Call it before creating ``vllm.LLM`` (or before starting the server): the engine process inherits
+    :data:`ENV_VAR`. ``max_gamma`` is vLLM's ``num_speculative_tokens``: the most any draft may hold.
+
+    Parameters
+    ----------
+    draft, policy, **settings
+        See :class:`ProposerSettings`.
+    max_gamma : int, default=8
+        Longest draft.
+    environ : dict or None
+        Where to put the settings (default ``os.environ``).
+
+    Returns
+    -------
+    dict
+        ``{"method": "custom_class", "model": "speckv_policy.vllm.SpeckvProposer", "num_speculative_tokens": ...}``.
+    """
+    if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
+        raise ValueError(f"max_gamma must be an int >= 1, got {max_gamma!r}")
+    s = ProposerSettings(draft=draft, policy=policy, **settings)
+    (os.environ if environ is None else environ)[ENV_VAR] = s.to_json()
+    return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": int(max_gamma)}
+
+
+def _import(path: str) -> Callable[..., Any]:
+    module, _, name = path.rpartition(".")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"draft_loader {path!r} names nothing callable")
+    return fn
+
+
+class _Request:
+    """One request's decision state across engine steps."""
+
+    __slots__ = ("gamma", "last_seen", "matcher", "mode", "state", "step")
+
+    def __init__(self, mode: DecisionMode, state: OnlineFeatureState) -> None:
+        self.mode = mode
+        self.state = state
+        self.matcher = ContextMatcher()
+        self.gamma = 0  # the draft length proposed at the last step (0: none yet, or a plain step)
+        self.step = 0
+        self.last_seen = 0
+
+
+def _key(tokens: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class SpeckvProposer:
+    """vLLM's custom proposer: per request and per step, the policy's draft length, drafted by a Hugging Face model.
+
+    Parameters
+    ----------
+    vllm_config : vllm.config.VllmConfig
+        The engine's configuration (vLLM passes it); only ``speculative_config.num_speculative_tokens`` and
+        ``model_config.max_model_len`` are read. The rest comes from :data:`ENV_VAR`.
+    settings : ProposerSettings or None
+        Overrides the environment (for tests and direct use).
+
+    Attributes
+    ----------
+    proposals : int
+        Requests drafted for so far (including plain steps: a draft of length 0).
+    drafted : int
+        Draft tokens proposed so far.
+    """
+
+    def __init__(self, vllm_config: Any, settings: ProposerSettings | None = None) -> None:
+        spec = vllm_config.speculative_config
+        self.max_gamma = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.settings = settings if settings is not None else ProposerSettings.from_env()
+        self.draft: Any = None
+        self.cache_arg = "past_key_values"
+        self.mode_name = "fixed"
+        self.decider: Any = None
+        self.requests: dict[bytes, _Request] = {}
+        self.calls = 0
+        self.proposals = 0
+        self.drafted = 0
+
+    # -- loading -------------------------------------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Load the draft and the policy (vLLM calls this once, after the target is loaded)."""
+        s = self.settings
+        self.draft = _import(s.draft_loader)(s.draft, "fp32", s.device)
+        params = inspect.signature(type(self.draft).forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        if isinstance(s.policy, int):
+            gamma = min(s.policy, self.max_gamma)
+            self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
+            return
+        rt = RuntimePolicy(s.policy, fallback_gamma=min(s.fallback_gamma, self.max_gamma), costs=s.costs)
+        if rt.feature_set is None:  # the export did not load: one warning was given, every step falls back
+            gamma = min(s.fallback_gamma, self.max_gamma)
+            self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
+            return
+        self.mode_name = DECLARED_MODE[rt.feature_set.name]
+        if self.mode_name == "truncate":
+            raise ValueError(f"{s.policy}: a 'paper' export decides after the whole draft; vLLM runs length policies")
+        self.decider = PlainDecider(
+            rt.decide,
+            rt.decide_gate if rt.gated else None,
+            max_gamma=min(int(np.max(rt.candidates)), self.max_gamma),
+            lists=rt.engine == "python",
+        )
+
+    def _new_request(self) -> _Request:
+        s = self.settings
+        cap = self.decider.max_gamma if self.mode_name != "fixed" else self.max_gamma
+        mode = make_mode(self.mode_name, self.decider, s.compression, max(1, min(cap, self.max_gamma)))
+        state = OnlineFeatureState(s.compression, s.temperature)
+        mode.start(state)
+        return _Request(mode, state)
+
+    # -- proposing -----------------------------------------------------------------------------------------------
+    def propose(
+        self,
+        sampled_token_ids: Sequence[Sequence[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        """One draft per request (possibly empty), each at most ``num_speculative_tokens`` long.
+
+        ``sampled_token_ids[i]`` holds the tokens request ``i`` gained at this step (none: it is not decoding, e.g.
+        mid-prefill, and gets no draft); its context is ``token_ids_cpu[i, :num_tokens_no_spec[i]]``.
+        """
+        self.calls += 1
+        out: list[list[int]] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[i])
+            if not sampled or n >= self.max_model_len:
+                out.append([])
+                continue
+            out.append(self._propose_one(token_ids_cpu[i, :n], len(sampled)))
+        if self.calls % FORGET_AFTER_CALLS == 0:
+            stale = self.calls - FORGET_AFTER_CALLS
+            self.requests = {k: r for k, r in self.requests.items() if r.last_seen > stale}
+        return out
+
+    def _propose_one(self, context: np.ndarray, n_sampled: int) -> list[int]:
+        n = len(context)
+        req = self.requests.pop(_key(context[: n - n_sampled]), None)
+        if req is None:
+            req = self._new_request()
+        elif req.gamma > 0:  # the last draft's outcome: all but the one token the target added were accepted
+            accepted = min(max(n_sampled - 1, 0), req.gamma)
+            req.state.update(req.gamma, accepted)
+            req.mode.end_step(req.gamma, accepted)
+        else:
+            req.mode.end_step(0, 0)
+        budget = min(self.max_gamma, self.max_model_len - n - 1)
+        match_len = 0
+        if req.mode.reads_pre:
+            req.matcher.sync(context)
+            match_len = req.matcher.match_len()
+        cap = req.mode.plan(req.step, n, match_len, budget) if budget > 0 else 0
+        draft = self._draft(req.mode, context, cap) if cap > 0 else []
+        req.gamma = len(draft)
+        req.step += 1
+        req.last_seen = self.calls
+        self.requests[_key(context)] = req
+        self.proposals += 1
+        self.drafted += len(draft)
+        return draft
+
+    def _draft(self, mode: DecisionMode, context: np.ndarray, cap: int) -> list[int]:
+        """Up to ``cap`` greedy draft tokens after ``context``, as many as ``mode`` keeps."""
+        import torch
+
+        ids: list[int] = []
+        logits_seen: list[Any] = []
+        try:
+            with torch.inference_mode():
+                from transformers import DynamicCache
+
+                cache = DynamicCache()
+                feed = torch.as_tensor(np.asarray(context, dtype=np.int64))[None]
+                for k in range(1, cap + 1):
+                    out = self.draft(input_ids=feed, use_cache=True, **{self.cache_arg: cache})
+                    logits = out.logits[0, -1]
+                    token = int(torch.argmax(logits))
+                    ids.append(token)
+                    logits_seen.append(logits)
+                    if mode.asks_per_token:
+                        stats = draft_token_stats_one(logits) if mode.reads_token(k) else None
+                        if mode.after_token(k, stats, len(context) + k - 1):
+                            break
+                    feed = torch.tensor([[token]])
+        except Exception as exc:  # a failing draft must never stop the engine: no draft this step
+            warnings.warn(
+                f"speckv draft failed ({type(exc).__name__}: {exc}); no draft this step",
+                PolicyFallbackWarning,
+                stacklevel=2,
+            )
+            return []
+
+        def stats() -> tuple[list[float], list[float]]:
+            pairs = [draft_token_stats_one(lg) for lg in logits_seen]
+            return [p[0] for p in pairs], [p[1] for p in pairs]
+
+        gamma = mode.finish(len(ids), stats)
+        return ids[: max(0, min(gamma, len(ids)))]

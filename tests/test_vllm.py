@@ -1,0 +1,55 @@
+"""The speckv proposer inside a real vLLM engine (vLLM's CPU build, in ``.venv-vllm`` made by ``.ci/setup-vllm``):
+greedy outputs with the policy choosing every draft length equal vLLM's own without speculation.
+
+Skipped where ``.venv-vllm`` is absent (the README's two commands do not install vLLM); CI sets
+``SPECKV_REQUIRE_VLLM=1``, which turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("SPECKV_REQUIRE_VLLM"):
+        raise RuntimeError(f"SPECKV_REQUIRE_VLLM is set but {VLLM_PYTHON} is missing: run bash .ci/setup-vllm")
+    pytest.skip("vLLM's environment is not installed (bash .ci/setup-vllm)", allow_module_level=True)
+
+
+def _drive(policy: str, prompts: int, max_tokens: int) -> dict:
+    from speckv_policy.smollm2.gguf import smollm2_safetensors
+
+    target = smollm2_safetensors()  # the HF folder vLLM loads (written once from the shipped GGUF)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
+    r = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_driver.py"), str(target), "datasets/smollm2/draft"]
+        + [policy, str(prompts), str(max_tokens)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_greedy_outputs_through_vllm_with_the_gated_policy_equal_vllm_without_speculation():
+    out = _drive("exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=64)
+    assert len(out["prompts"]) == 4
+    for pid, plain, spec in zip(out["prompts"], out["plain"], out["speckv"]):
+        assert spec == plain, pid
+    counts = out["spec"]
+    # the proposer drafted, vLLM verified, some drafts were kept: speculation really ran
+    assert counts["vllm:spec_decode_num_drafts"] > 0
+    assert counts["vllm:spec_decode_num_draft_tokens"] >= counts["vllm:spec_decode_num_drafts"]
+    assert counts["vllm:spec_decode_num_accepted_tokens"] > 0
