@@ -150,3 +150,26 @@ def test_requests_without_new_tokens_get_no_draft_and_the_length_limit_holds(pai
     buf[:, :9] = 5
     out = p.propose([[], [5]], np.array([9, 9]), buf)
     assert out[0] == [] and len(out[1]) == 2  # mid-prefill: nothing; 9 of 12 positions used: room for 2
+
+
+def test_interleaved_requests_draft_as_each_would_alone_with_the_smollm2_draft():
+    """Each request keeps its own draft cache (and, for the distilled draft, its own context-copy history):
+    interleaving requests in shuffled batches changes no draft."""
+    from speckv_policy.smollm2.models import load_model
+
+    target = load_model("smollm2")
+    prompts = [[1, 9690, 198, 19161, 253, 1345, 30], [1, 4093, 198, 1380, 314, 216, 33, 28, 216, 34, 47, 216, 33]]
+    draft = str(ROOT / "datasets" / "smollm2" / "draft")
+
+    def proposer() -> SpeckvProposer:
+        p = SpeckvProposer(
+            _config(), ProposerSettings(draft=draft, policy=4, draft_loader="speckv_policy.smollm2.models.load_model")
+        )
+        p.load_model()
+        return p
+
+    _, together = _engine(proposer(), target, prompts, n=20, shuffle=1)
+    for i, prompt in enumerate(prompts):
+        _, alone = _engine(proposer(), target, [prompt], n=20)
+        assert together[i] == alone[0]
+    assert sum(a for st in together for _, a in st) > 0

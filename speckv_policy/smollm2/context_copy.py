@@ -194,6 +194,16 @@ class ContextCopyDraft(LlamaForCausalLM):
             "b": [round(float(x), 5) for x in self.copy_b],
         }
 
+    def use_history(self, tokens: Any) -> None:
+        """The tokens before the next forward's ``input_ids`` (one sequence), for callers interleaving sequences.
+
+        The gate reads the whole sequence but a forward with a cache sees only its new tokens, so the model keeps
+        the sequence it last ran. A caller that runs several sequences in turn, each with its own cache (the vLLM
+        proposer), says which one comes next; ``tokens`` must be as long as that sequence's cache.
+        """
+        ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
+        self._history = np.concatenate([ids, np.zeros((1, max(64, ids.shape[1])), dtype=np.int64)], axis=1)
+
     def _remember(self, input_ids: torch.Tensor, past: int) -> np.ndarray:
         ids = input_ids.detach().cpu().numpy()
         rows, end = ids.shape[0], past + ids.shape[1]

@@ -169,15 +169,24 @@ def _import(path: str) -> Callable[..., Any]:
 class _Request:
     """One request's decision state across engine steps."""
 
-    __slots__ = ("gamma", "last_seen", "matcher", "mode", "state", "step")
+    __slots__ = ("cache", "cached", "gamma", "last_seen", "matcher", "mode", "state", "step")
 
     def __init__(self, mode: DecisionMode, state: OnlineFeatureState) -> None:
         self.mode = mode
         self.state = state
         self.matcher = ContextMatcher()
+        self.cache: Any = None  # the draft's KV cache for this request
+        self.cached = np.zeros(0, dtype=np.int64)  # the tokens whose keys and values it holds
         self.gamma = 0  # the draft length proposed at the last step (0: none yet, or a plain step)
         self.step = 0
         self.last_seen = 0
+
+
+def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def _key(tokens: np.ndarray) -> bytes:
@@ -201,6 +210,8 @@ class SpeckvProposer:
         Requests drafted for so far (including plain steps: a draft of length 0).
     drafted : int
         Draft tokens proposed so far.
+    draft_failures : int
+        Steps whose drafting failed (no draft then; the first one warns).
     """
 
     def __init__(self, vllm_config: Any, settings: ProposerSettings | None = None) -> None:
@@ -210,12 +221,14 @@ class SpeckvProposer:
         self.settings = settings if settings is not None else ProposerSettings.from_env()
         self.draft: Any = None
         self.cache_arg = "past_key_values"
+        self.use_history: Callable[[Any], None] | None = None
         self.mode_name = "fixed"
         self.decider: Any = None
         self.requests: dict[bytes, _Request] = {}
         self.calls = 0
         self.proposals = 0
         self.drafted = 0
+        self.draft_failures = 0
 
     # -- loading -------------------------------------------------------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -224,6 +237,8 @@ class SpeckvProposer:
         self.draft = _import(s.draft_loader)(s.draft, "fp32", s.device)
         params = inspect.signature(type(self.draft).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        # a draft that reads the whole sequence (the distilled SmolLM2 draft's context copy) is told whose turn it is
+        self.use_history = getattr(self.draft, "use_history", None)
         if isinstance(s.policy, int):
             gamma = min(s.policy, self.max_gamma)
             self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
@@ -294,7 +309,7 @@ class SpeckvProposer:
             req.matcher.sync(context)
             match_len = req.matcher.match_len()
         cap = req.mode.plan(req.step, n, match_len, budget) if budget > 0 else 0
-        draft = self._draft(req.mode, context, cap) if cap > 0 else []
+        draft = self._draft(req, context, cap) if cap > 0 else []
         req.gamma = len(draft)
         req.step += 1
         req.last_seen = self.calls
@@ -303,20 +318,34 @@ class SpeckvProposer:
         self.drafted += len(draft)
         return draft
 
-    def _draft(self, mode: DecisionMode, context: np.ndarray, cap: int) -> list[int]:
-        """Up to ``cap`` greedy draft tokens after ``context``, as many as ``mode`` keeps."""
+    def _draft(self, req: _Request, context: np.ndarray, cap: int) -> list[int]:
+        """Up to ``cap`` greedy draft tokens after ``context``, as many as the request's mode keeps.
+
+        The request's draft cache is kept between steps and cut back to the prefix it shares with the context
+        (rejected draft tokens leave it), so a step feeds the draft only the tokens it has not seen.
+        """
         import torch
 
+        mode = req.mode
         ids: list[int] = []
         logits_seen: list[Any] = []
         try:
             with torch.inference_mode():
-                from transformers import DynamicCache
+                keep = _shared_prefix(req.cached, context)
+                keep = min(keep, len(context) - 1)  # feed at least one token
+                if req.cache is None or keep == 0:
+                    from transformers import DynamicCache
 
-                cache = DynamicCache()
-                feed = torch.as_tensor(np.asarray(context, dtype=np.int64))[None]
+                    req.cache, keep = DynamicCache(), 0
+                else:
+                    drop = req.cache.get_seq_length() - keep
+                    if drop > 0:
+                        req.cache.crop(-drop)  # a negative count removes tokens in every transformers 5.x
+                if self.use_history is not None:
+                    self.use_history(context[:keep])
+                feed = torch.as_tensor(np.asarray(context[keep:], dtype=np.int64))[None]
                 for k in range(1, cap + 1):
-                    out = self.draft(input_ids=feed, use_cache=True, **{self.cache_arg: cache})
+                    out = self.draft(input_ids=feed, use_cache=True, **{self.cache_arg: req.cache})
                     logits = out.logits[0, -1]
                     token = int(torch.argmax(logits))
                     ids.append(token)
@@ -326,12 +355,17 @@ class SpeckvProposer:
                         if mode.after_token(k, stats, len(context) + k - 1):
                             break
                     feed = torch.tensor([[token]])
+                req.cached = np.concatenate([context, np.asarray(ids[:-1], dtype=np.int64)])
         except Exception as exc:  # a failing draft must never stop the engine: no draft this step
-            warnings.warn(
-                f"speckv draft failed ({type(exc).__name__}: {exc}); no draft this step",
-                PolicyFallbackWarning,
-                stacklevel=2,
-            )
+            req.cache, req.cached = None, np.zeros(0, dtype=np.int64)
+            self.draft_failures += 1
+            if self.draft_failures == 1:
+                warnings.warn(
+                    f"speckv draft failed ({type(exc).__name__}: {exc}); no draft where it fails (further failures "
+                    "are counted in draft_failures, not warned)",
+                    PolicyFallbackWarning,
+                    stacklevel=2,
+                )
             return []
 
         def stats() -> tuple[list[float], list[float]]:
