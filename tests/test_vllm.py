@@ -23,13 +23,13 @@ if not VLLM_PYTHON.exists():
     pytest.skip("vLLM's environment is not installed (bash .ci/setup-vllm)", allow_module_level=True)
 
 
-def _drive(policy: str, prompts: int, max_tokens: int) -> dict:
+def _drive(how: str, policy: str, prompts: int, max_tokens: int) -> dict:
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
     target = smollm2_safetensors()  # the HF folder vLLM loads (written once from the shipped GGUF)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
     r = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_driver.py"), str(target), "datasets/smollm2/draft"]
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_driver.py"), how, str(target), "datasets/smollm2/draft"]
         + [policy, str(prompts), str(max_tokens)],
         cwd=ROOT,
         env=env,
@@ -44,7 +44,7 @@ def _drive(policy: str, prompts: int, max_tokens: int) -> dict:
 
 
 def test_greedy_outputs_through_vllm_with_the_gated_policy_equal_vllm_without_speculation():
-    out = _drive("exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=64)
+    out = _drive("offline", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=64)
     assert len(out["prompts"]) == 4
     for pid, plain, spec in zip(out["prompts"], out["plain"], out["speckv"]):
         assert spec == plain, pid
@@ -53,3 +53,12 @@ def test_greedy_outputs_through_vllm_with_the_gated_policy_equal_vllm_without_sp
     assert counts["vllm:spec_decode_num_drafts"] > 0
     assert counts["vllm:spec_decode_num_draft_tokens"] >= counts["vllm:spec_decode_num_drafts"]
     assert counts["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_the_openai_server_with_the_proposer_answers_concurrent_requests_as_vllm_without_speculation():
+    out = _drive("server", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=48)
+    for pid, plain, spec in zip(out["prompts"], out["plain"], out["speckv"]):
+        assert spec == plain, pid
+    counts = out["spec"]
+    assert counts["vllm:spec_decode_num_drafts_total"] > 0
+    assert counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
