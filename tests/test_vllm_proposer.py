@@ -173,3 +173,15 @@ def test_interleaved_requests_draft_as_each_would_alone_with_the_smollm2_draft()
         _, alone = _engine(proposer(), target, [prompt], n=20)
         assert together[i] == alone[0]
     assert sum(a for st in together for _, a in st) > 0
+
+
+def test_a_bad_cost_file_falls_back_with_one_warning(pair_dir, tmp_path):
+    target, draft = pair_dir
+    bad = tmp_path / "costs.json"
+    bad.write_text('{"draft_ms_per_token": [1, 1, 1], "verify_base_ms": [1, 1, 1], "verify_ms_per_token": "x"}')
+    with pytest.warns(PolicyFallbackWarning, match=r"costs\.json.*verify_ms_per_token") as rec:
+        p = SpeckvProposer(_config(), ProposerSettings(draft=draft, policy=GATED, costs=str(bad)))
+        p.load_model()
+        _, steps = _engine(p, target, [[1, 5, 9]], n=12)
+    assert len([r for r in rec if r.category is PolicyFallbackWarning]) == 1
+    assert {d for d, _ in steps[0][:-1]} == {2}  # the fallback gamma

@@ -244,7 +244,7 @@ class SpeckvProposer:
             self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
             return
         rt = RuntimePolicy(s.policy, fallback_gamma=min(s.fallback_gamma, self.max_gamma), costs=s.costs)
-        if rt.feature_set is None:  # the export did not load: one warning was given, every step falls back
+        if rt.load_error is not None or rt.feature_set is None:  # not loaded (one warning given): fall back
             gamma = min(s.fallback_gamma, self.max_gamma)
             self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
             return
