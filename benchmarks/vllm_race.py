@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", help="the target's dtype in vLLM (float16 on a GPU)")
+    ap.add_argument("--draft-device", default="cpu", help="where the proposer's draft runs (cuda on a GPU)")
     ap.add_argument("--out", default="out/vllm_race.json")
     args = ap.parse_args()
 
@@ -64,11 +66,15 @@ def main() -> None:
                 if arm != "none":
                     policy = int(arm.split("-")[1]) if arm.startswith("fixed-") else arm
                     kw["speculative_config"] = speculative_config(
-                        args.draft, policy, max_gamma=8, draft_loader="speckv_policy.smollm2.models.load_model"
+                        args.draft,
+                        policy,
+                        max_gamma=8,
+                        draft_loader="speckv_policy.smollm2.models.load_model",
+                        device=args.draft_device,
                     )
                 llm = LLM(
                     model=args.target,
-                    dtype="float32",
+                    dtype=args.dtype,
                     max_model_len=1024,
                     enforce_eager=True,
                     kv_cache_memory_bytes=1 << 30,

@@ -343,7 +343,8 @@ class SpeckvProposer:
                         req.cache.crop(-drop)  # a negative count removes tokens in every transformers 5.x
                 if self.use_history is not None:
                     self.use_history(context[:keep])
-                feed = torch.as_tensor(np.asarray(context[keep:], dtype=np.int64))[None]
+                device = self.settings.device
+                feed = torch.as_tensor(np.asarray(context[keep:], dtype=np.int64))[None].to(device)
                 for k in range(1, cap + 1):
                     out = self.draft(input_ids=feed, use_cache=True, **{self.cache_arg: req.cache})
                     logits = out.logits[0, -1]
@@ -354,7 +355,7 @@ class SpeckvProposer:
                         stats = draft_token_stats_one(logits) if mode.reads_token(k) else None
                         if mode.after_token(k, stats, len(context) + k - 1):
                             break
-                    feed = torch.tensor([[token]])
+                    feed = torch.tensor([[token]], device=device)
                 req.cached = np.concatenate([context, np.asarray(ids[:-1], dtype=np.int64)])
         except Exception as exc:  # a failing draft must never stop the engine: no draft this step
             req.cache, req.cached = None, np.zeros(0, dtype=np.int64)
