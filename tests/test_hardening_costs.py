@@ -266,9 +266,9 @@ def test_export_train_on_a_log_with_one_absurd_step_reports_sane_figures(synthet
 # -- the runtime's contract, offline and at run time ----------------------------------------------------------------
 
 
-def _graph_with(tmp_path: Path, name: str, out: str, value) -> Path:
-    """A copy of the gated export whose output ``out`` is replaced by a constant ``value`` (shape kept per row)."""
-    model = onnx.load(GATED)
+def _graph_with(tmp_path: Path, name: str, out: str, value, src: Path = GATED) -> Path:
+    """A copy of the export ``src`` whose output ``out`` is replaced by a constant ``value`` (broadcast per row)."""
+    model = onnx.load(src)
     g = model.graph
     producer = next(n for n in g.node if out in n.output)
     renamed = out + "_orig"
@@ -326,51 +326,17 @@ def test_speckv_eval_refuses_an_export_whose_graph_returns_a_gamma_outside_its_c
     log = tmp_path / "steps.parquet"
     write_log(synthetic[0], log)
     # an online export whose gamma output is 100 on every row
-    model_path = _online_with_gamma(tmp_path, 100)
+    model_path = _graph_with(tmp_path, "online-gamma100.onnx", "gamma", 100, src=ONLINE)
     argv = ["--log", str(log), "--policy", str(model_path), "--out", str(tmp_path / "e"), "--no-plots"]
     assert eval_cli.main(argv) == 2
     assert "returned gamma 100" in capsys.readouterr().err
 
 
-def _online_with_gamma(tmp_path: Path, value: int) -> Path:
-    model = onnx.load(ONLINE)
-    g = model.graph
-    producer = next(n for n in g.node if "gamma" in n.output)
-    producer.output[list(producer.output).index("gamma")] = "gamma_orig"
-    g.initializer.append(onnx.numpy_helper.from_array(np.asarray(value, np.int64), "gamma_const"))
-    g.initializer.append(onnx.numpy_helper.from_array(np.asarray(0, np.int64), "gamma_zero"))
-    g.node.extend(
-        [
-            helper.make_node("Mul", ["gamma_orig", "gamma_zero"], ["gamma_z"]),
-            helper.make_node("Add", ["gamma_z", "gamma_const"], ["gamma"]),
-        ]
-    )
-    path = tmp_path / f"online-gamma{value}.onnx"
-    onnx.save(model, path)
-    return path
-
-
 def test_live_costs_with_nan_expected_tokens_warn_once_and_fall_back(tmp_path):
-    path = _online_nan_tokens(tmp_path)
+    path = _graph_with(tmp_path, "nan-tokens.onnx", "expected_tokens", [np.nan] * 9, src=ONLINE)
     with pytest.warns(PolicyFallbackWarning, match="expected tokens") as rec:
         rt = RuntimePolicy(path, fallback_gamma=2, engine="onnxruntime")
         rt.set_step_times(np.ones((3, len(rt.candidates))))  # what live costs do each step
         assert rt.decide(np.array([0.5, 1.0, 0, 0.5, 0.5, 3.0, 0.0], np.float32)) == 2
         assert rt.decide(np.array([0.5, 1.0, 1, 0.5, 0.5, 3.0, 0.0], np.float32)) == 2
     assert len(rec) == 1
-
-
-def _online_nan_tokens(tmp_path: Path) -> Path:
-    model = onnx.load(ONLINE)
-    g = model.graph
-    producer = next(n for n in g.node if "expected_tokens" in n.output)
-    producer.output[list(producer.output).index("expected_tokens")] = "et_orig"
-    for n in g.node:
-        for i, x in enumerate(n.input):
-            if x == "expected_tokens":
-                n.input[i] = "et_orig"
-    g.initializer.append(onnx.numpy_helper.from_array(np.asarray(np.nan, np.float32), "et_nan"))
-    g.node.append(helper.make_node("Mul", ["et_orig", "et_nan"], ["expected_tokens"]))
-    path = tmp_path / "nan-tokens.onnx"
-    onnx.save(model, path)
-    return path

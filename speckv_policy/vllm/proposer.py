@@ -160,7 +160,10 @@ def speculative_config(
 
 def _import(path: str) -> Callable[..., Any]:
     module, _, name = path.rpartition(".")
-    fn = getattr(importlib.import_module(module), name, None)
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except ImportError as exc:
+        raise ValueError(f"draft_loader {path!r}: cannot import {module!r} ({exc})") from None
     if not callable(fn):
         raise ValueError(f"draft_loader {path!r} names nothing callable")
     return fn
@@ -297,12 +300,10 @@ class SpeckvProposer:
         req = self.requests.pop(_key(context[: n - n_sampled]), None)
         if req is None:
             req = self._new_request()
-        elif req.gamma > 0:  # the last draft's outcome: all but the one token the target added were accepted
-            accepted = min(max(n_sampled - 1, 0), req.gamma)
+        else:  # the last step's outcome: every sampled token but the target's own one was an accepted draft token
+            accepted = min(n_sampled - 1, req.gamma)
             req.state.update(req.gamma, accepted)
             req.mode.end_step(req.gamma, accepted)
-        else:
-            req.mode.end_step(0, 0)
         budget = min(self.max_gamma, self.max_model_len - n - 1)
         match_len = 0
         if req.mode.reads_pre:
