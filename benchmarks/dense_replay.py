@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from speckv_policy.evaluation.race import (
         HFHeuristicSchedule,
         SGLangStyleSteps,
-        VLLMStyleDynamic,
+        GoodputEMA,
         adaedl_policy,
         conditional_acceptance,
     )
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         res["oracle"] = over(hindsight_oracle, **priced)
         code = COMPRESSION_CODES[comp]
         vllm = functools.partial(
-            VLLMStyleDynamic, conditional_acceptance(log, comp), cost.time_table(np.arange(9))[code]
+            GoodputEMA, conditional_acceptance(log, comp), cost.time_table(np.arange(9))[code]
         )
 
         def rule(make, cap=8, priced=priced, draws=draws):
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         peers = {  # the race's peer rules, each kept across the texts as the race keeps it across a block's prompts
             "adaedl": over(simulate, "per-token", adaedl_policy, temperature=temp, **priced),
             "sglang-adaptive": rule(SGLangStyleSteps),
-            "vllm-dynamic": rule(vllm),
+            "ema-goodput": rule(vllm),
             "hf-heuristic": rule(HFHeuristicSchedule, RUN_CAP),
         }
         res.update(peers)

@@ -293,7 +293,7 @@ def test_dense_replay_benchmark_on_the_logs_heldout_prompts_without_a_race():
     ci = {r[2]: r for r in table_rows(stdout, "fp32") if r[1] == "all (2)"}
     assert {"oracle", "gbt-pre-repriced", "gbt-gated-repriced", "stop"} <= set(ci)  # stop: exported/smollm2-stop.json
     assert "stop-gated" in ci and rows["stop-gated"][6] == ""  # the same rule, a gate fitted by the benchmark
-    assert {"adaedl", "sglang-adaptive", "vllm-dynamic", "hf-heuristic"} <= set(ci)  # the peers' rules
+    assert {"adaedl", "sglang-adaptive", "ema-goodput", "hf-heuristic"} <= set(ci)  # the peers' rules
     assert ci["oracle"][9] == "1.000" and float(ci["oracle"][4]) >= 1.0
     assert ci[ci["oracle"][8]][7] == "1.000"  # the best peer against itself
     assert rows["stop"][6] == "" and float(rows["stop"][5]) > 1.0  # no step-log replay of a stop rule
@@ -318,7 +318,7 @@ def test_dense_replay_benchmark_in_sampling():
     assert float(rows["target"][4]) == 1.0 and float(rows["target"][5]) == 1.0  # never drafts, one token a step
     assert 0.0 < float(rows["fixed-2"][4]) < 0.05  # gamma 0 only where nothing is left to draft
     ci = {r[2]: r for r in table_rows(stdout, "nf4") if r[1] == "all (2)"}
-    assert {"oracle", "gbt-pre-repriced", "adaedl", "vllm-dynamic"} <= set(ci)
+    assert {"oracle", "gbt-pre-repriced", "adaedl", "ema-goodput"} <= set(ci)
     assert all(float(r[9]) <= 1.0 for r in ci.values())  # the oracle knows the draws: nothing beats it
     ratio, lo, hi = (float(v) for v in ci["gbt-pre-repriced"][4].strip("[]").replace("[", "").replace(",", " ").split())
     assert lo <= ratio <= hi

@@ -106,7 +106,7 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
         "table-backoff",
         *(f"{k}-{tag}" for k in ("mlp", "gbt", "table") for tag in ("repriced", "live")),
         "sglang-adaptive",
-        "vllm-dynamic",
+        "ema-goodput",
     }
     assert set(res["arms"]) == expected
     assert cpu_model() in res["machine"]  # the CPU is named, so races on two machines read apart
@@ -239,18 +239,18 @@ def test_sglang_style_steps_follow_the_accepted_length():
     assert rule.gamma() == 1
 
 
-def test_vllm_style_goodput_choice():
+def test_ema_goodput_choice():
     flat = np.full(9, 10.0)  # verification free, drafting free: longer is never worse
-    rule = race.VLLMStyleDynamic(np.full(8, 0.9), flat)
+    rule = race.GoodputEMA(np.full(8, 0.9), flat)
     assert rule.gamma() == 8
     costly = 10.0 + 4.0 * np.arange(9)  # each draft token costs 40% of a step
-    rule = race.VLLMStyleDynamic(np.full(8, 0.3), costly)
+    rule = race.GoodputEMA(np.full(8, 0.3), costly)
     assert rule.gamma() == 0  # low acceptance and dear drafts: a plain step
     for _ in range(60):
         rule.observe(1, 1)  # position 1 always accepted now
     assert rule.p[0] > 0.95 and rule.gamma() >= 1
     with pytest.raises(ValueError, match="step_ms needs 9 values"):
-        race.VLLMStyleDynamic(np.full(8, 0.5), np.ones(3))
+        race.GoodputEMA(np.full(8, 0.5), np.ones(3))
 
 
 def test_conditional_acceptance_from_a_log():

@@ -25,8 +25,10 @@ rotates from prompt to prompt so no arm always runs first):
   on the draft model between calls; each arm keeps its own across the prompts of a block,
   as a server would;
 * ``sglang-adaptive``: SGLang's adaptive steps (an EMA of accepted length picks a tier in {1, 3, 7}, see
-  :class:`SGLangStyleSteps`); ``vllm-dynamic``: vLLM's Dynamic SD (per-position acceptance EMAs, cold start from
-  the profile, goodput over the cost model, see :class:`VLLMStyleDynamic`); both decide before drafting;
+  :class:`SGLangStyleSteps`); ``ema-goodput``: a goodput rule over per-position acceptance EMAs (cold start from
+  the profile, see :class:`GoodputEMA`), a proposal for vLLM that vLLM does not ship: its Dynamic SD is one K per
+  batch size, at batch 1 a fixed K, which the fixed arms stand for (the vLLM race, ``benchmarks/vllm_race.py``,
+  runs the table itself); both decide before drafting;
 * ``adaedl``: an AdaEDL-style training-free entropy stop (per-token): stop drafting when
   ``1 - sqrt(0.2 * H)`` falls under ``lambda = 0.5 + 0.3 * (0.5 - ema_acceptance)`` (fixed
   constants, not tuned on the prompts here);
@@ -58,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write_text
+from ..peers import SGLangStyleSteps
 from ..runtime import RuntimePolicy
 from ..schema import COMPRESSION_CODES, ONLINE
 from ..stop import StopRule
@@ -65,7 +68,9 @@ from .report import save_figure
 
 BEGIN, END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 #: The peers' adaptive rules (the bar the issue sets for ours).
-PEER_RULES = ("hf-default", "hf-heuristic", "adaedl", "sglang-adaptive", "vllm-dynamic")
+PEER_RULES = ("hf-default", "hf-heuristic", "adaedl", "sglang-adaptive")
+#: Arms renamed since races were recorded: recorded name -> name now (``vllm-dynamic`` was never vLLM's rule).
+RENAMED_ARMS = {"vllm-dynamic": "ema-goodput"}
 OURS = ("mlp", "gbt", "table")
 #: Name prefixes of our arms: the policy kinds and the cost-aware stop rule (``stop``, ``stop-repriced``, ``stop-live``).
 OURS_PREFIXES = (*OURS, "stop")
@@ -82,58 +87,8 @@ def adaedl_policy(features: Any) -> int:
     return 2 if 1.0 - np.sqrt(ADAEDL_GAMMA * max(h, 0.0)) >= lam else 0
 
 
-class SGLangStyleSteps:
-    """SGLang-style adaptive steps (``--speculative-adaptive``), as its docs and PRs describe it; decides before drafting.
-
-    After each verification an EMA of the accepted length (draft tokens
-    accepted) is updated; every ``interval`` steps the target is
-    ``round(ema) + 1`` (SGLang's documented target): above the current tier,
-    the tier moves up to the first one that reaches it; below, down to the
-    last one under it, with the EMA shifted by ``up_hysteresis`` /
-    ``down_hysteresis`` for the two directions. Tiers
-    ``(1, 3, 7)`` and ``interval=5`` are SGLang's defaults; ``alpha`` (the EMA
-    weight, 0.2) and the hysteresis (0, -0.25, from a shipped SGLang config)
-    are not tuned on the prompts here. The state persists across requests, as
-    a server's controller would.
-    """
-
-    def __init__(
-        self,
-        tiers: tuple[int, ...] = (1, 3, 7),
-        alpha: float = 0.2,
-        interval: int = 5,
-        up_hysteresis: float = 0.0,
-        down_hysteresis: float = -0.25,
-    ) -> None:
-        self.tiers = tuple(sorted(tiers))
-        self.alpha, self.interval = alpha, interval
-        self.up, self.down = up_hysteresis, down_hysteresis
-        self.tier = self.tiers[len(self.tiers) // 2]
-        self.ema: float | None = None
-        self.steps = 0
-
-    def observe(self, gamma: int, accepted: int) -> None:
-        """One verified step: ``accepted`` of ``gamma`` draft tokens kept."""
-        if gamma <= 0:
-            return
-        self.ema = float(accepted) if self.ema is None else (1 - self.alpha) * self.ema + self.alpha * accepted
-        self.steps += 1
-        if self.steps % self.interval:
-            return
-        up_target = round(self.ema + self.up) + 1  # SGLang's target: round(ema) + 1, with hysteresis
-        down_target = round(self.ema + self.down) + 1
-        if up_target > self.tier:  # up to the first tier that reaches the target
-            self.tier = min((t for t in self.tiers if t >= up_target), default=self.tiers[-1])
-        elif down_target < self.tier:  # down to the last tier under it
-            self.tier = max((t for t in self.tiers if t <= down_target), default=self.tiers[0])
-
-    def gamma(self) -> int:
-        """Draft length for the next step."""
-        return self.tier
-
-
-class VLLMStyleDynamic:
-    """vLLM Dynamic-SD-style speculation length: goodput from acceptance EMAs over a cost model; decides before drafting.
+class GoodputEMA:
+    """A goodput rule from acceptance EMAs over a cost model (proposed for vLLM, not shipped); decides before drafting.
 
     Keeps per-position acceptance probabilities ``p_k`` (token ``k`` accepted
     given ``k - 1`` were), started from a profile (cold start) and updated
@@ -279,9 +234,9 @@ def make_arms(
     if peer_log is not None and peer_costs is not None:
         arms.append(
             ArmSpec(
-                "vllm-dynamic",
+                "ema-goodput",
                 mode="fixed",
-                rule=lambda compression: VLLMStyleDynamic(
+                rule=lambda compression: GoodputEMA(
                     conditional_acceptance(peer_log, compression),
                     peer_costs.time_table(np.arange(9))[COMPRESSION_CODES.get(compression, 0)],
                 ),
@@ -426,8 +381,11 @@ def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any
     """Medians of ms per output token and of paired ratios, per (compression, decoding[, task]).
 
     Each cell also carries ``pooled`` (:func:`_pooled`): tokens per second over all of its runs and their ratios,
-    the statistic the offline evaluator reports.
+    the statistic the offline evaluator reports. Arms recorded under an old name (:data:`RENAMED_ARMS`) are read
+    under their name now.
     """
+    runs = [{**r, "arm": RENAMED_ARMS.get(r["arm"], r["arm"])} for r in runs]
+    arms = [RENAMED_ARMS.get(a, a) for a in arms]
     cells: dict[tuple, dict[str, Any]] = {}
     keys = sorted({(r["compression"], r["decoding"]) for r in runs})
     tasks = sorted({r["task_type"] for r in runs})
