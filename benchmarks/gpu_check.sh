@@ -26,5 +26,5 @@ if [ "${VLLM:-0}" = 1 ]; then
     .venv-vllm-gpu/bin/python -m pip install -q --no-deps -e .
     $PY -c "from speckv_policy.smollm2.gguf import smollm2_safetensors as s; print(s())"  # the target folder
     PYTHONUNBUFFERED=1 .venv-vllm-gpu/bin/python benchmarks/vllm_race.py --concurrency 1,4,16 --prompts 16 \
-        --max-tokens 64 --dtype float16 --draft-device cuda --out "${OUT:-out}/vllm_race_gpu.json"
+        --max-tokens 64 --repeats 1 --device cuda --out "${OUT:-out}/vllm_race_gpu"
 fi

@@ -159,3 +159,14 @@ def teacher_forced_text(target, draft, ids, n: int, branch: int = 7):
                 branches[j] = (c.tolist(), e.tolist())
     runs = match_runs(proposals, seq[plen:], branch + 1)
     return DenseText(seq, plen, runs, conf.tolist(), ent.tolist(), branches), ref
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory):
+    """A tiny random target and its draft saved to a folder (the vLLM proposer loads drafts from disk)."""
+    from speckv_policy.testing import tiny_llama_pair
+
+    target, draft = tiny_llama_pair(noise=0.05, seed=3)
+    d = tmp_path_factory.mktemp("pair")
+    draft.save_pretrained(d / "draft")
+    return target, str(d / "draft")

@@ -23,16 +23,20 @@ if not VLLM_PYTHON.exists():
     pytest.skip("vLLM's environment is not installed (bash .ci/setup-vllm)", allow_module_level=True)
 
 
-def _drive(how: str, policy: str, prompts: int, max_tokens: int) -> dict:
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
+
+
+def _drive(how: str, policy: str, prompts: int, max_tokens: int, costs: str | None = None) -> dict:
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
     target = smollm2_safetensors()  # the HF folder vLLM loads (written once from the shipped GGUF)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
     r = subprocess.run(
         [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_driver.py"), how, str(target), "datasets/smollm2/draft"]
-        + [policy, str(prompts), str(max_tokens)],
+        + [policy, str(prompts), str(max_tokens)]
+        + ([costs] if costs else []),
         cwd=ROOT,
-        env=env,
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=1200,
@@ -62,3 +66,28 @@ def test_the_openai_server_with_the_proposer_answers_concurrent_requests_as_vllm
     counts = out["spec"]
     assert counts["vllm:spec_decode_num_drafts_total"] > 0
     assert counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_batch_costs_measured_inside_vllm_price_the_policy_and_outputs_stay_vllms(tmp_path):
+    from speckv_policy.batch_costs import BatchCosts
+
+    out = tmp_path / "batch-costs.json"
+    cmd = [str(VLLM_PYTHON), "-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", str(out)]
+    r = subprocess.run(
+        cmd + ["--batch-sizes", "1,4", "--max-new-tokens", "24"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    costs = BatchCosts.load(out)
+    assert {1, 4} <= set(costs.batch_sizes) and "batch   4: per request" in r.stdout
+    # one request's share of a step's fixed part shrinks as four requests share it (measured: about 3x here)
+    assert costs.at(4).verify_base_ms[0] < 0.75 * costs.at(1).verify_base_ms[0]
+    # the policy priced for its batch: greedy outputs still vLLM's own, four requests at once
+    res = _drive("server", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=32, costs=str(out))
+    for pid, plain, spec in zip(res["prompts"], res["plain"], res["speckv"]):
+        assert spec == plain, pid

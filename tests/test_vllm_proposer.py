@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from speckv_policy.runtime import PolicyFallbackWarning
-from speckv_policy.testing import tiny_llama_pair
 from speckv_policy.vllm import ENV_VAR, ProposerSettings, SpeckvProposer, speculative_config
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -26,14 +25,6 @@ def _config(k: int = 8, max_len: int = 256) -> types.SimpleNamespace:
         speculative_config=types.SimpleNamespace(num_speculative_tokens=k),
         model_config=types.SimpleNamespace(max_model_len=max_len),
     )
-
-
-@pytest.fixture(scope="module")
-def pair_dir(tmp_path_factory):
-    target, draft = tiny_llama_pair(noise=0.05, seed=3)
-    d = tmp_path_factory.mktemp("pair")
-    draft.save_pretrained(d / "draft")
-    return target, str(d / "draft")
 
 
 def _proposer(draft: str, policy, k: int = 8) -> SpeckvProposer:

@@ -5,24 +5,20 @@ outputs and vLLM's speculation counters. ``server``: the reference without specu
 OpenAI-compatible server started with the speckv proposer, the prompts sent to it concurrently, its counters read
 from ``/metrics``, the server stopped.
 
-Usage: ``python tests/vllm_driver.py offline|server TARGET_FOLDER DRAFT POLICY N_PROMPTS MAX_TOKENS`` (POLICY: an
-export or an int gamma).
+Usage: ``python tests/vllm_driver.py offline|server TARGET_FOLDER DRAFT POLICY N_PROMPTS MAX_TOKENS [COSTS]``
+(POLICY: an export, an int gamma or a named rule; COSTS: a cost or batch cost file).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
+# (the offline engine's arguments: speckv_policy.vllm.engine_args less max_num_seqs, so vLLM's default batch)
 
 
 def _prompts(n: int) -> list:
@@ -65,63 +61,19 @@ def offline(target: str, spec: dict, prompts, max_tokens: int) -> dict:
     return result
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server(target: str, spec: dict, prompts, max_tokens: int) -> dict:
     from transformers import AutoTokenizer
+
+    from speckv_policy.vllm import VLLMServer, engine_args
 
     texts = _texts(AutoTokenizer.from_pretrained(target), prompts)
     result: dict[str, object] = {"prompts": [p.id for p in prompts]}
     result["plain"] = [o.text for o in _plain(target, texts, max_tokens)]
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--port", str(port)]
-    cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"]
-    cmd += ["--kv-cache-memory-bytes", str(1 << 30), "--speculative-config", json.dumps(spec)]
-    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - t0 > 600:
-                raise RuntimeError("the server did not come up in 600 s")
-            time.sleep(1)
-        result["startup_s"] = time.monotonic() - t0
-
-        def complete(text: str) -> str:
-            body = {"model": target, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0}
-            req = urllib.request.Request(
-                f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(req, timeout=600) as r:
-                return json.loads(r.read())["choices"][0]["text"]
-
+    with VLLMServer(engine_args(target, max_num_seqs=len(texts)), speculative=spec) as srv:
+        result["startup_s"] = srv.startup_s
         with ThreadPoolExecutor(len(texts)) as pool:  # concurrent requests: the engine batches them
-            result["speckv"] = list(pool.map(complete, texts))
-        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        result["spec"] = {
-            line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
-            for line in metrics.splitlines()
-            if line.startswith("vllm:spec_decode_num") and "_total" in line
-        }
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            result["speckv"] = [r["text"] for r in pool.map(lambda t: srv.complete(t, max_tokens), texts)]
+        result["spec"] = srv.metrics()
     return result
 
 
@@ -129,11 +81,13 @@ def main() -> None:
     from speckv_policy.vllm import speculative_config
 
     how, target, draft, policy, n, max_tokens = sys.argv[1:7]
+    costs = sys.argv[7] if len(sys.argv) > 7 else None
     spec = speculative_config(
         draft,
         int(policy) if policy.isdigit() else policy,
         max_gamma=8,
         draft_loader="speckv_policy.smollm2.models.load_model",
+        costs=costs,
     )
     run = {"offline": offline, "server": server}[how]
     print("RESULT " + json.dumps(run(target, spec, _prompts(int(n)), int(max_tokens))), flush=True)

@@ -2,6 +2,11 @@
 
 speckv-calibrate --out costs.json                    # SmolLM2 + the shipped draft, fp32/INT8/NF4, ~2 minutes
 speckv-export --reprice costs.json exported/smollm2-gbt.onnx gbt-here.onnx
+
+In vLLM's environment, one request's costs at each batch size, measured inside the engine (see
+:mod:`speckv_policy.vllm.calibrate`), for the vLLM proposer's ``costs=``:
+
+.venv-vllm/bin/speckv-calibrate --engine vllm --out batch-costs.json    # batches 1..16, ~3 minutes on a laptop CPU
 """
 
 from __future__ import annotations
@@ -71,8 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     add_target_linear_argument(p)
     add_draft_linear_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the order the gammas are timed in (default 0)")
+    p.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf (default): one request in Hugging Face generation, per compression level; vllm: per batch size "
+        "inside vLLM (run with vLLM's environment; fp32 target; writes batch costs for the vLLM proposer)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=comma_list(cast=int_at_least(1)),
+        default=(1, 2, 4, 8, 16),
+        help="with --engine vllm: batch sizes to time (default 1,2,4,8,16)",
+    )
     args = p.parse_args(argv)
     exit_cleanly_on_sigterm()
+    if args.engine == "vllm":
+        return _calibrate_vllm(args)
 
     from ..hf.calibrate import CalibrationConfig, calibrate
     from ..prompts import PromptFileError, read_prompts
@@ -115,6 +135,54 @@ def main(argv: list[str] | None = None) -> int:
         name = COMPRESSION_NAMES_BY_CODE[code]
         measured = name in comps or (name == "full precision" and set(comps) & {"fp32", "fp16", "bf16"})
         print(f"  {line}" + ("" if measured else "   [not timed: borrowed from the nearest level timed]"))
+    return 0
+
+
+def _calibrate_vllm(args: argparse.Namespace) -> int:
+    """``--engine vllm``: batch costs measured inside vLLM's engine."""
+    from ..prompts import PromptFileError, read_prompts
+
+    t0 = time.perf_counter()
+    try:
+        writable_file(args.out)
+        from transformers import AutoTokenizer
+
+        from ..smollm2.gguf import smollm2_safetensors
+        from ..vllm.calibrate import calibrate_vllm
+
+        target = str(smollm2_safetensors()) if args.target == "smollm2" else args.target
+        tok = AutoTokenizer.from_pretrained(target)
+        prompts = [q for q in read_prompts(args.prompts) if q.split == "train"] or read_prompts(args.prompts)
+        texts = [
+            tok.apply_chat_template([{"role": "user", "content": q.text}], tokenize=False, add_generation_prompt=True)
+            for q in prompts
+        ]
+
+        def progress(batch: int, steps: int) -> None:
+            print(f"\r  batch {batch}: {steps} steps timed", end="", file=sys.stderr, flush=True)
+
+        loader = "speckv_policy.smollm2.models.load_model" if args.draft.startswith("datasets/smollm2") else None
+        costs, steps = calibrate_vllm(
+            target,
+            args.draft,
+            texts,
+            batch_sizes=args.batch_sizes,
+            max_tokens=args.max_new_tokens,
+            device="cuda" if args.device.startswith("cuda") else "cpu",
+            **({"draft_loader": loader} if loader else {}),
+            progress=progress,
+        )
+        print(file=sys.stderr)
+        costs.save(args.out)
+    except (PromptFileError, ValueError, OSError, ModuleNotFoundError) as exc:
+        print(file=sys.stderr)
+        return fail("speckv-calibrate", exc)
+    print(
+        f"batch costs of {args.target} + {args.draft} inside vLLM ({costs.machine}), {len(steps['batch'])} engine "
+        f"steps timed ({time.perf_counter() - t0:.0f} s in all) -> {args.out}"
+    )
+    for line in costs.describe():
+        print(f"  {line}")
     return 0
 
 

@@ -12,6 +12,15 @@ See :mod:`speckv_policy.vllm.proposer`. Needs vLLM (``pip install vllm``, or ``v
 pins its own torch and transformers: install it in its own environment (README, "Serving with vLLM").
 """
 
+from .engine import VLLMServer, VLLMServerError, engine_args
 from .proposer import ENV_VAR, ProposerSettings, SpeckvProposer, speculative_config
 
-__all__ = ["ENV_VAR", "ProposerSettings", "SpeckvProposer", "speculative_config"]
+__all__ = [
+    "ENV_VAR",
+    "ProposerSettings",
+    "SpeckvProposer",
+    "VLLMServer",
+    "VLLMServerError",
+    "engine_args",
+    "speculative_config",
+]

@@ -25,6 +25,7 @@ import importlib
 import inspect
 import json
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,9 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from ..batch_costs import BatchCosts, is_batch_costs_file
 from ..decisions import DECLARED_MODE, DEFAULT_MAX_GAMMA, DecisionMode, PlainDecider, PlainSchedule, make_mode
 from ..features import ContextMatcher, OnlineFeatureState, draft_token_stats_one
-from ..runtime import PolicyFallbackWarning, RuntimePolicy
+from ..objective import CostModelError
+from ..peers import DynamicSDTable, SGLangStyleSteps
+from ..runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
 from ..schema import COMPRESSIONS
 
 __all__ = ["ENV_VAR", "ProposerSettings", "SpeckvProposer", "speculative_config"]
@@ -45,6 +49,8 @@ ENV_VAR = "SPECKV_VLLM"
 PROPOSER_PATH = "speckv_policy.vllm.SpeckvProposer"
 #: Proposer calls a request may go unseen before its state is forgotten (a finished or preempted request).
 FORGET_AFTER_CALLS = 64
+#: The named rules ``policy`` may give instead of an export or an int.
+RULES = ("sglang-adaptive", "explore")
 
 
 @dataclass(frozen=True)
@@ -56,13 +62,18 @@ class ProposerSettings:
     draft : str
         The draft model, as ``draft_loader`` reads it (a local Hugging Face folder by default).
     policy : str or int
-        An ONNX export (``speckv-export``; its feature set names its mode) or an int: a fixed gamma.
+        An ONNX export (``speckv-export``; its feature set names its mode), an int (a fixed gamma), or a peer's rule:
+        ``"sglang-adaptive"`` (SGLang's EMA tiers, :class:`~speckv_policy.peers.SGLangStyleSteps`, one controller
+        for the engine as SGLang keeps it) or ``"explore"`` (a uniformly random gamma in ``0..max_gamma`` per
+        request and step: what ``speckv-calibrate --engine vllm`` times).
     compression : str, default="fp32"
         The target's compression level, as the policy's features name it.
     temperature : float, default=0.0
         The sampling temperature of the requests (0 for greedy), a policy feature.
     costs : str or None
-        A cost file (``speckv-calibrate``) to re-price the export with.
+        A cost file (``speckv-calibrate``) to re-price the export with; a batch cost file (``speckv-calibrate
+        --engine vllm``, :class:`~speckv_policy.batch_costs.BatchCosts`) prices every step with the costs of the
+        batch it runs in.
     fallback_gamma : int, default=2
         Gamma drafted where the policy fails (one warning).
     draft_loader : str, default="speckv_policy.hf.models.load_model"
@@ -70,6 +81,14 @@ class ProposerSettings:
         also reads the distilled SmolLM2 draft.
     device : str, default="cpu"
         Where the draft runs.
+    batch_schedule : list of [start_bs, end_bs, K] or None
+        vLLM's Dynamic SD table (``num_speculative_tokens_per_batch_size``), looked up by the step's batch size as
+        vLLM's scheduler does; with it, ``policy`` must be left at its default. vLLM 0.32 hands a ``custom_class``
+        proposer neither the table nor the K it picked, so the proposer looks it up itself.
+    timings : str or None
+        A JSON-lines file each proposer call appends its timing to (``speckv-calibrate --engine vllm``).
+    seed : int, default=0
+        Seed of the ``"explore"`` rule.
     """
 
     draft: str
@@ -80,16 +99,23 @@ class ProposerSettings:
     fallback_gamma: int = 2
     draft_loader: str = "speckv_policy.hf.models.load_model"
     device: str = "cpu"
+    batch_schedule: list[list[int]] | None = None
+    timings: str | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression {self.compression!r}: expected one of {', '.join(COMPRESSIONS)}")
         if isinstance(self.policy, bool) or not isinstance(self.policy, (str, int)):
-            raise ValueError(f"policy must be an export's path or an int gamma, got {self.policy!r}")
+            raise ValueError(f"policy must be an export's path, an int gamma or one of {RULES}, got {self.policy!r}")
         if isinstance(self.policy, int) and not 0 <= self.policy <= 64:
             raise ValueError(f"a fixed gamma must be in 0..64, got {self.policy}")
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if self.batch_schedule is not None:
+            DynamicSDTable(self.batch_schedule)  # raises naming the bad entry
+            if self.policy != 2:
+                raise ValueError("give either a policy or a batch_schedule (vLLM's Dynamic SD table), not both")
         if "." not in self.draft_loader:
             raise ValueError(
                 f"draft_loader must be an import path 'package.module.function', got {self.draft_loader!r}"
@@ -215,6 +241,8 @@ class SpeckvProposer:
         Draft tokens proposed so far.
     draft_failures : int
         Steps whose drafting failed (no draft then; the first one warns).
+    batch_costs : BatchCosts or None
+        The batch cost file's costs, when ``costs`` names one.
     """
 
     def __init__(self, vllm_config: Any, settings: ProposerSettings | None = None) -> None:
@@ -232,6 +260,14 @@ class SpeckvProposer:
         self.proposals = 0
         self.drafted = 0
         self.draft_failures = 0
+        self.batch_costs: BatchCosts | None = None
+        self.runtime: RuntimePolicy | None = None
+        self._rule_gamma = 0  # the named rule's or the table's gamma for the request being planned
+        self._rule: Callable[[int], int] | None = None  # batch size -> gamma, for the named rules and the table
+        self._sglang: SGLangStyleSteps | None = None
+        self._priced_batch = 0
+        self._new_requests = 0
+        self._timings: Any = None
 
     # -- loading -------------------------------------------------------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -242,18 +278,57 @@ class SpeckvProposer:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         # a draft that reads the whole sequence (the distilled SmolLM2 draft's context copy) is told whose turn it is
         self.use_history = getattr(self.draft, "use_history", None)
-        if isinstance(s.policy, int):
+        if s.timings is not None:
+            self._timings = open(s.timings, "a", encoding="utf-8")  # noqa: SIM115 - open for the engine's life
+        if s.batch_schedule is not None:
+            table = DynamicSDTable(s.batch_schedule)
+            self._use_rule(lambda batch: table.gamma(batch))
+        elif s.policy == "sglang-adaptive":
+            rule = self._sglang = SGLangStyleSteps()
+            self._use_rule(lambda batch: rule.gamma())
+        elif s.policy == "explore":
+            rng = np.random.default_rng(s.seed)  # a new draw for every request at every step
+            self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: int(rng.integers(0, self.max_gamma + 1)))
+        elif isinstance(s.policy, int):
             gamma = min(s.policy, self.max_gamma)
             self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
-            return
-        rt = RuntimePolicy(s.policy, fallback_gamma=min(s.fallback_gamma, self.max_gamma), costs=s.costs)
+        else:
+            self._load_policy(s.policy)
+
+    def _use_rule(self, rule: Callable[[int], int]) -> None:
+        self._rule = rule
+        self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: min(self._rule_gamma, self.max_gamma))
+
+    def _fall_back(self) -> None:
+        gamma = min(self.settings.fallback_gamma, self.max_gamma)
+        self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
+
+    def _load_policy(self, path: str) -> None:
+        s = self.settings
+        batched = s.costs is not None and is_batch_costs_file(s.costs)
+        fallback = min(s.fallback_gamma, self.max_gamma)
+        rt = RuntimePolicy(path, fallback_gamma=fallback, costs=None if batched else s.costs)
         if rt.load_error is not None or rt.feature_set is None:  # not loaded (one warning given): fall back
-            gamma = min(s.fallback_gamma, self.max_gamma)
-            self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
+            self._fall_back()
             return
+        if batched:
+            try:
+                self.batch_costs = BatchCosts.load(s.costs)  # type: ignore[arg-type]
+                rt.reprice(self.batch_costs.at(1))
+                self._priced_batch = 1
+            except (CostModelError, PolicyLoadError, OSError) as exc:
+                warnings.warn(
+                    f"speckv: cannot price {path} with the batch costs {s.costs} ({exc}); drafting gamma {fallback}",
+                    PolicyFallbackWarning,
+                    stacklevel=2,
+                )
+                self.batch_costs = None
+                self._fall_back()
+                return
+        self.runtime = rt
         self.mode_name = DECLARED_MODE[rt.feature_set.name]
         if self.mode_name == "truncate":
-            raise ValueError(f"{s.policy}: a 'paper' export decides after the whole draft; vLLM runs length policies")
+            raise ValueError(f"{path}: a 'paper' export decides after the whole draft; vLLM runs length policies")
         self.decider = PlainDecider(
             rt.decide,
             rt.decide_gate if rt.gated else None,
@@ -282,28 +357,71 @@ class SpeckvProposer:
         ``sampled_token_ids[i]`` holds the tokens request ``i`` gained at this step (none: it is not decoding, e.g.
         mid-prefill, and gets no draft); its context is ``token_ids_cpu[i, :num_tokens_no_spec[i]]``.
         """
+        t_in = time.perf_counter()
         self.calls += 1
+        batch = len(sampled_token_ids)
+        if self._rule is not None:
+            self._rule_gamma = self._rule(batch)
+        if self.batch_costs is not None and batch != self._priced_batch:
+            self._price_for(batch)
+        self._new_requests = 0
+        drafted_before, proposals_before = self.drafted, self.proposals
+        drafting = 0
         out: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             if not sampled or n >= self.max_model_len:
                 out.append([])
                 continue
-            out.append(self._propose_one(token_ids_cpu[i, :n], len(sampled)))
+            draft = self._propose_one(token_ids_cpu[i, :n], len(sampled))
+            drafting += bool(draft)
+            out.append(draft)
+        if self._timings is not None:
+            t_out = time.perf_counter()
+            row = {
+                "t_in": t_in,
+                "t_out": t_out,
+                "batch": batch,
+                "decoding": self.proposals - proposals_before,
+                "new": self._new_requests,
+                "draft_tokens": self.drafted - drafted_before,
+                "drafting": drafting,
+            }
+            self._timings.write(json.dumps(row) + "\n")
+            self._timings.flush()
         if self.calls % FORGET_AFTER_CALLS == 0:
             stale = self.calls - FORGET_AFTER_CALLS
             self.requests = {k: r for k, r in self.requests.items() if r.last_seen > stale}
         return out
+
+    def _price_for(self, batch: int) -> None:
+        """Re-price the policy with one request's costs in a batch of ``batch`` (a failure: one warning, fallback)."""
+        try:
+            self.runtime.reprice(self.batch_costs.at(batch))  # type: ignore[union-attr]
+            self._priced_batch = batch
+        except (CostModelError, PolicyLoadError) as exc:
+            warnings.warn(
+                f"speckv: cannot price the policy at batch size {batch} ({exc}); drafting gamma "
+                f"{min(self.settings.fallback_gamma, self.max_gamma)}",
+                PolicyFallbackWarning,
+                stacklevel=3,
+            )
+            self.batch_costs = None
+            self._fall_back()
+            self.requests.clear()
 
     def _propose_one(self, context: np.ndarray, n_sampled: int) -> list[int]:
         n = len(context)
         req = self.requests.pop(_key(context[: n - n_sampled]), None)
         if req is None:
             req = self._new_request()
+            self._new_requests += 1
         else:  # the last step's outcome: every sampled token but the target's own one was an accepted draft token
             accepted = min(n_sampled - 1, req.gamma)
             req.state.update(req.gamma, accepted)
             req.mode.end_step(req.gamma, accepted)
+            if self._sglang is not None:
+                self._sglang.observe(req.gamma, accepted)
         budget = min(self.max_gamma, self.max_model_len - n - 1)
         match_len = 0
         if req.mode.reads_pre:

@@ -1,0 +1,243 @@
+"""Batch-aware costs and the engines' own rules in the vLLM proposer, without vLLM.
+
+BatchCosts.fit is checked against SYNTHETIC engine steps drawn from known costs; the proposer runs in the synthetic
+engine loop of tests/test_vllm_proposer.py (greedy verification against the tiny target)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from speckv_policy.batch_costs import BatchCosts, is_batch_costs_file
+from speckv_policy.objective import CostModel, CostModelError
+from speckv_policy.peers import DynamicSDTable, SGLangStyleSteps
+from speckv_policy.runtime import PolicyFallbackWarning
+from speckv_policy.vllm import ProposerSettings, SpeckvProposer
+from speckv_policy.vllm.calibrate import engine_steps, read_timings
+from tests.test_vllm_proposer import GATED, _config, _engine, _greedy
+
+TRUE = {  # per batch size: verify base (ms), verify per draft token, draft per call, draft per token
+    1: (100.0, 2.0, 1.5, 6.0),
+    4: (110.0, 3.0, 1.5, 6.0),
+    16: (150.0, 4.0, 1.5, 6.0),
+}
+
+
+def _synthetic_steps(seed: int = 0, n: int = 200, noise: float = 0.5) -> dict[str, np.ndarray]:
+    """Engine steps with known costs: random draft lengths 0..4 per request, Gaussian timing noise."""
+    rng = np.random.default_rng(seed)
+    cols: dict[str, list[float]] = {k: [] for k in ("batch", "draft_ms", "verify_ms", "draft_tokens", "drafting")}
+    for b, (vb, vt, dc, dt) in TRUE.items():
+        for _ in range(n):
+            g = rng.integers(0, 5, size=b)
+            tokens, drafting = int(g.sum()), int((g > 0).sum())
+            cols["batch"].append(b)
+            cols["draft_tokens"].append(tokens)
+            cols["drafting"].append(drafting)
+            cols["draft_ms"].append(dc * drafting + dt * tokens + abs(rng.normal(0, noise)))
+            cols["verify_ms"].append(vb + vt * tokens + rng.normal(0, noise))
+    return {k: np.asarray(v) for k, v in cols.items()}
+
+
+def test_batch_costs_fit_recovers_known_costs_and_prices_one_requests_share():
+    costs = BatchCosts.fit(_synthetic_steps(), device="cpu")
+    assert costs.batch_sizes == (1, 4, 16)
+    for b, (vb, vt, dc, dt) in TRUE.items():
+        c = costs.at(b)
+        assert c.verify_base_ms[0] == pytest.approx(vb / b, rel=0.03)  # the fixed part, shared by the batch
+        assert c.verify_ms_per_token[0] == pytest.approx(vt, abs=0.15)
+        assert c.draft_ms_per_token[0] == pytest.approx(dt, abs=0.15)
+        assert c.draft_base_ms[0] == pytest.approx(dc, abs=0.3)
+    # carried forward like vLLM's table: 2..3 use batch 1's costs, 5..15 batch 4's, past 16 batch 16's
+    assert costs.at(3) == costs.at(1) and costs.at(15) == costs.at(4) and costs.at(999) == costs.at(16)
+    # one draft token costs a larger share of a request's step as the batch grows: gamma should fall
+    share = [costs.at(b).step_ms(1, 0) / costs.at(b).step_ms(0, 0) for b in (1, 4, 16)]
+    assert share[0] < share[1] < share[2]
+
+
+def test_batch_costs_fit_leaves_out_outliers_and_thin_batch_sizes():
+    steps = _synthetic_steps(n=60)
+    steps["verify_ms"][5] = 1e6  # a page fault / another process: dropped, not fitted
+    keep = ~((steps["batch"] == 4) & (np.arange(len(steps["batch"])) % 60 > 4))  # batch 4: only 5 steps left
+    thin = {k: v[keep] for k, v in steps.items()}
+    costs = BatchCosts.fit(thin, min_steps=8)
+    assert costs.batch_sizes == (1, 16)
+    assert costs.at(1).verify_base_ms[0] == pytest.approx(100.0, rel=0.03)
+    with pytest.raises(ValueError, match="missing column 'drafting'"):
+        BatchCosts.fit({k: v for k, v in steps.items() if k != "drafting"})
+    with pytest.raises(ValueError, match="no batch size has 8 timed steps"):
+        BatchCosts.fit({k: v[:3] for k, v in steps.items()})
+
+
+def test_batch_cost_files_round_trip_and_bad_ones_are_named(tmp_path):
+    costs = BatchCosts.fit(_synthetic_steps(n=40), device="cpu", machine="test box")
+    good = tmp_path / "batch.json"
+    costs.save(good)
+    assert BatchCosts.load(good) == costs and is_batch_costs_file(good)
+    single = tmp_path / "single.json"
+    CostModel.relative().save(single)
+    assert not is_batch_costs_file(single) and not is_batch_costs_file(tmp_path / "absent.json")
+    d = json.loads(good.read_text())
+    cases = {
+        "format": ({**d, "format": "other"}, "not a batch cost file"),
+        "order": ({**d, "batch_sizes": [16, 4, 1]}, "increasing"),
+        "count": ({**d, "costs": d["costs"][:2]}, "one cost model per batch size"),
+        "entry": (
+            {**d, "costs": [d["costs"][0], {**d["costs"][1], "verify_base_ms": [-1, 1, 1]}, d["costs"][2]]},
+            r"costs\[1\]",
+        ),
+        "type": ({**d, "costs": [d["costs"][0], 7, d["costs"][2]]}, r"costs\[1\] must be a cost model"),
+        "unknown": ({**d, "extra": 1}, "unknown fields extra"),
+    }
+    for name, (bad, match) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(CostModelError, match=match) as err:
+            BatchCosts.load(path)
+        assert str(path) in str(err.value)
+
+
+def test_engine_steps_pair_calls_and_skip_prefills_and_batch_changes():
+    def call(t, batch, new=0, tokens=4, drafting=2, decoding=None):
+        d = batch if decoding is None else decoding
+        return {"t_in": t, "t_out": t + 0.01, "batch": batch, "new": new, "draft_tokens": tokens,
+                "drafting": drafting, "decoding": d}  # fmt: skip
+
+    calls = [call(0.0, 2, new=2), call(0.1, 2), call(0.2, 2), call(0.3, 1), call(0.4, 1, new=1), call(0.5, 1)]
+    calls.append(call(0.6, 1, decoding=0))
+    steps = engine_steps(calls)
+    # kept: (0,1) and (1,2) at batch 2 -- call 0's new requests were prefilled before it, not in its gap --
+    # and (4,5) at batch 1; (2,3) changes batch, (3,4) has a prefill in the gap, (5,6) has a request not decoding
+    assert steps["batch"].tolist() == [2, 2, 1]
+    assert steps["verify_ms"] == pytest.approx([90.0, 90.0, 90.0])
+    assert steps["draft_ms"] == pytest.approx([10.0, 10.0, 10.0])
+
+
+def test_dynamic_sd_table_looks_up_as_vllm_expands_it():
+    t = DynamicSDTable([[1, 16, 3], [32, 128, 2]])
+    assert [t.gamma(b) for b in (1, 16, 17, 31, 32, 128, 500)] == [3, 3, 3, 3, 2, 2, 2]
+    assert DynamicSDTable.from_best({1: 3, 4: 1, 16: 0}).as_config() == [[1, 3, 3], [4, 15, 1], [16, 65536, 0]]
+    for bad, match in [([[2, 4, 1]], "start at batch size 1"), ([[1, 8, 2], [4, 9, 1]], "overlaps"),
+                       ([[1, 8]], "expected"), ([[1, 8, -1]], "K >= 0"), ([], "non-empty")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            DynamicSDTable(bad)
+
+
+def test_the_proposer_runs_vllms_table_by_batch_size_and_stays_lossless(pair_dir):
+    target, draft = pair_dir
+    p = SpeckvProposer(_config(8), ProposerSettings(draft=draft, batch_schedule=[[1, 1, 5], [2, 8, 1]]))
+    p.load_model()
+    prompts = [[5, 9, 13, 2], [7, 7, 1, 30, 4]]
+    full, steps = _engine(p, target, prompts, 24)
+    both = min(len(r) for r in steps)  # engine steps with both requests in the batch: K 1; after that, batch 1: K 5
+    assert {s[0] for r in steps for s in r[:both]} == {1}
+    assert max(s[0] for r in steps for s in r[both:]) > 1
+    alone, steps1 = _engine(p, target, prompts[:1], 24)  # batch 1 -> K 5 (less at the length limit)
+    assert max(s[0] for s in steps1[0]) == 5
+    assert full[0] == _greedy(target, prompts[0], 24) and alone[0] == full[0]
+    with pytest.raises(ValueError, match="not both"):
+        ProposerSettings(draft=draft, policy=4, batch_schedule=[[1, 4, 2]])
+    with pytest.raises(ValueError, match="start at batch size 1"):
+        ProposerSettings(draft=draft, batch_schedule=[[2, 4, 2]])
+
+
+def test_the_sglang_rule_moves_between_tiers_with_the_engines_acceptance(pair_dir):
+    target, draft = pair_dir
+    p = SpeckvProposer(_config(8), ProposerSettings(draft=draft, policy="sglang-adaptive"))
+    p.load_model()
+    prompts = [[5, 9, 13, 2], [7, 7, 1, 30, 4], [3, 3, 8, 1]]
+    full, steps = _engine(p, target, prompts, 40)
+    drafted = {s[0] for req in steps for s in req}
+    assert drafted - {0} <= {1, 3, 7} | set(range(8))  # tiers, cut at the length limit
+    assert len({s[0] for req in steps for s in req[:-2]}) >= 2  # the tier moved from its start (3)
+    assert all(f == _greedy(target, q, 40) for f, q in zip(full, prompts))
+    assert SGLangStyleSteps().gamma() == 3  # where every request started
+
+
+def test_explore_drafts_random_lengths_and_timings_make_engine_steps(pair_dir, tmp_path):
+    target, draft = pair_dir
+    timings = tmp_path / "t.jsonl"
+    p = SpeckvProposer(_config(4), ProposerSettings(draft=draft, policy="explore", timings=str(timings), seed=1))
+    p.load_model()
+    prompts = [[5, 9, 13, 2], [7, 7, 1, 30, 4], [3, 3, 8, 1]]
+    full, steps = _engine(p, target, prompts, 30)
+    lengths = [s[0] for req in steps for s in req]
+    assert set(lengths) >= {0, 1, 2, 3, 4} - {max(lengths) + 1}  # the whole range is drawn
+    assert all(f == _greedy(target, q, 30) for f, q in zip(full, prompts))
+    rows = read_timings(timings)
+    assert len(rows) == p.calls and rows[0]["new"] == 3 and rows[1]["new"] == 0
+    assert sum(r["draft_tokens"] for r in rows) == p.drafted
+    assert len(engine_steps(rows)["batch"]) >= 5
+
+
+def _batch_costs(tmp_path, *, drafting_ms: float) -> str:
+    """Batch costs where a step's fixed part is 100 ms at every batch size: shared by 1 request it dwarfs drafting,
+    shared by 16 it does not."""
+    models = []
+    for b in (1, 16):
+        models.append(CostModel((drafting_ms,) * 3, (100.0 / b,) * 3, (1.0,) * 3, unit="ms"))
+    path = tmp_path / "batch.json"
+    BatchCosts((1, 16), tuple(models)).save(path)
+    return str(path)
+
+
+def test_a_batch_priced_policy_drafts_less_as_the_batch_grows(pair_dir, tmp_path):
+    target, draft = pair_dir
+    costs = _batch_costs(tmp_path, drafting_ms=6.0)
+    p = SpeckvProposer(_config(8), ProposerSettings(draft=draft, policy=GATED, costs=costs))
+    p.load_model()
+    assert p.batch_costs is not None
+    one = [[5, 9, 13, 2]]
+    _, alone = _engine(p, target, one, 32)
+    p2 = SpeckvProposer(_config(8), ProposerSettings(draft=draft, policy=GATED, costs=costs))
+    p2.load_model()
+    many = [[5, 9, 13, 2 + i] for i in range(16)]
+    full, crowded = _engine(p2, target, many, 32)
+    per_step = lambda steps: np.mean([s[0] for req in steps for s in req])  # noqa: E731
+    assert per_step(alone) > per_step(crowded)  # the costs of a 16-request batch say: draft less
+    assert all(f == _greedy(target, q, 32) for f, q in zip(full, many))
+
+
+def test_a_bad_batch_cost_file_falls_back_with_one_warning(pair_dir, tmp_path):
+    target, draft = pair_dir
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "speckv-batch-costs", "batch_sizes": [1], "costs": [{"x": 1}]}))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        p = SpeckvProposer(_config(8), ProposerSettings(draft=draft, policy=GATED, costs=str(bad), fallback_gamma=2))
+        p.load_model()
+        full, steps = _engine(p, target, [[5, 9, 13, 2]], 20)
+    fallbacks = [x for x in w if issubclass(x.category, PolicyFallbackWarning)]
+    assert len(fallbacks) == 1 and str(bad) in str(fallbacks[0].message)
+    assert {s[0] for s in steps[0][:-1]} == {2}
+    assert full[0] == _greedy(target, [5, 9, 13, 2], 20)
+
+
+def test_the_vllm_race_summary_pairs_prompts_and_compares_with_the_best_of_vllms_options():
+    from tests.conftest import load_benchmark
+
+    race = load_benchmark("vllm_race.py")
+    rng = np.random.default_rng(0)
+    speed = {"none": 1.0, "fixed-1": 1.3, "fixed-2": 1.2, "vllm-dynamic-sd": 1.3, "gbt-gated-batch": 1.4}
+    rows = []
+    for rep in range(2):
+        for j in range(6):
+            base = rng.uniform(2.0, 4.0)  # prompts differ; the pairing keeps that out of the ratios
+            for arm, s in speed.items():
+                rows.append({"arm": arm, "concurrency": 4, "repeat": rep, "prompt": f"p{j}", "tokens": 64,
+                             "seconds": base / s, "wall": 10.0})  # fmt: skip
+    out = race.summarize(rows, list(speed), [4], resamples=300)["4"]
+    sec = sum(r["seconds"] for r in rows if r["arm"] == "none")
+    assert out["none"]["tokens_per_s"] == pytest.approx(4 * 64 * 12 / sec)  # Little's law: c * tokens / seconds
+    for arm, s in speed.items():
+        if arm != "none":
+            assert out[arm]["vs_none"]["ratio"] == pytest.approx(s)
+            lo, hi = out[arm]["vs_none"]["ci"]
+            assert lo == pytest.approx(s) and hi == pytest.approx(s)  # the same ratio on every prompt: no spread
+    assert out["gbt-gated-batch"]["vs_best_vllm"]["ratio"] == pytest.approx(1.4 / 1.3)
+    md = race.markdown({"4": out}, list(speed), {"vllm": "0", "machine": "m", "prompts": 6, "max_tokens": 64,
+                                                 "repeats": 2, "date": "d"})  # fmt: skip
+    assert "| gbt-gated-batch |" in md and "1.08x" in md
