@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         simulate_hindsight,
     )
     from speckv_policy.evaluation.race import (
+        GoodputEMA,
         HFHeuristicSchedule,
         SGLangStyleSteps,
-        GoodputEMA,
         adaedl_policy,
         conditional_acceptance,
     )
@@ -229,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             res.setdefault(f"fixed-{g}", over(simulate, "fixed", lambda s, g=g: g, **priced))
         res["oracle"] = over(hindsight_oracle, **priced)
         code = COMPRESSION_CODES[comp]
-        vllm = functools.partial(
-            GoodputEMA, conditional_acceptance(log, comp), cost.time_table(np.arange(9))[code]
-        )
+        vllm = functools.partial(GoodputEMA, conditional_acceptance(log, comp), cost.time_table(np.arange(9))[code])
 
         def rule(make, cap=8, priced=priced, draws=draws):
             """A history rule made afresh for every draw, kept across its texts."""

@@ -3,6 +3,9 @@
     python benchmarks/results.py            # rewrite docs/results.{md,json} and the table in README.md
     python benchmarks/results.py --check    # exit 1 if any of them differs from what the runs say
 
+The vLLM race of record, ``benchmarks/runs/vllm_race.json`` (``benchmarks/vllm_race.py --record``), gives the
+"Serving with vLLM" section and its plot, ``docs/vllm_race.png``.
+
 The races of record are listed in ``benchmarks/runs/record.json`` (each one a ``benchmarks/e2e.py --out`` JSON
 with every run it timed). Every figure is recomputed from those runs (medians of paired per-prompt ratios, paired
 bootstrap 95% CIs over prompts, as the race reports them). The recommended policy is chosen here, by measurement:
@@ -114,7 +117,50 @@ def collect(record: dict[str, Any]) -> dict[str, Any]:
         "candidates": {a: round(s, 4) for a, s in sorted(score.items(), key=lambda kv: -kv[1])},
         "retired_reports_commit": record["retired_reports_commit"],
         "blocks": ordered,
+        "vllm": _vllm_record(),
     }
+
+
+def _vllm_record() -> dict[str, Any] | None:
+    """The vLLM race of record, less its per-request rows (None when there is none)."""
+    path = RUNS / "vllm_race.json"
+    if not path.is_file():
+        return None
+    race = json.loads(path.read_text())
+    return {k: race[k] for k in ("meta", "arms", "summary")}
+
+
+def _vllm_race_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_race", ROOT / "benchmarks" / "vllm_race.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def vllm_section(race: dict[str, Any]) -> list[str]:
+    """The "Serving with vLLM" section from the vLLM race of record."""
+    mod = _vllm_race_module()
+    meta = race["meta"]
+    table = mod.markdown(race["summary"], race["arms"], meta)
+    costs = "; ".join(
+        f"batch {b}: {c['verify_base_ms'][0]:.1f} ms + {c['draft_ms_per_token'][0] + c['verify_ms_per_token'][0]:.1f}"
+        " ms per draft token"
+        for b, c in zip(meta["costs"]["batch_sizes"], meta["costs"]["costs"])
+    )
+    return [
+        "## Serving with vLLM",
+        "",
+        "Race `benchmarks/runs/vllm_race.json`: every arm through vLLM's OpenAI-compatible server, a client keeping",
+        "*c* requests in flight. `gbt-gated-batch` is the shipped gated policy priced with one request's costs at the",
+        "batch size each step runs in, measured inside vLLM first (`speckv-calibrate --engine vllm`: per request "
+        f"{costs}); `vllm-dynamic-sd` is vLLM's table tuned on training prompts as its docs say ({meta['table']}).",
+        "",
+        table,
+        "![output tokens/s against concurrency, one line per arm](vllm_race.png)",
+        "",
+    ]
 
 
 def _fmt(r: dict[str, Any]) -> str:
@@ -191,6 +237,8 @@ def results_md(res: dict[str, Any]) -> str:
             tasks = " | ".join(f"{b['tasks'][t].get(a, float('nan')):.2f}x" for t in sorted(b["tasks"]))
             out.append(f"| `{a}`{tag} | {v['ms_per_token']:.1f} | {_fmt(_ci(v, 'vs_target'))} | {tasks} |")
         out.append("")
+    if res.get("vllm") is not None:
+        out += vllm_section(res["vllm"])
     out += [
         "## Earlier races",
         "",
@@ -229,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     for p, text in targets.items():
         atomic_write_text(p, text)  # a temporary file renamed into place; never over a non-regular file
+    vllm = json.loads(js).get("vllm")
+    if vllm is not None:
+        _vllm_race_module().plot(vllm["summary"], vllm["arms"], args.docs / "vllm_race.png")
     print(md)
     return 0
 

