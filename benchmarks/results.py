@@ -122,12 +122,14 @@ def collect(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _vllm_record() -> dict[str, Any] | None:
-    """The vLLM race of record, less its per-request rows (None when there is none)."""
+    """The vLLM race of record, summarised again from its per-request rows (None when there is none)."""
     path = RUNS / "vllm_race.json"
     if not path.is_file():
         return None
     race = json.loads(path.read_text())
-    return {k: race[k] for k in ("meta", "arms", "summary")}
+    conc = sorted({r["concurrency"] for r in race["rows"]})
+    summary = _vllm_race_module().summarize(race["rows"], race["arms"], conc)  # recomputed from every request
+    return {"meta": race["meta"], "arms": race["arms"], "summary": summary}
 
 
 def _vllm_race_module() -> Any:
