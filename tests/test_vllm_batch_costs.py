@@ -241,3 +241,15 @@ def test_the_vllm_race_summary_pairs_prompts_and_compares_with_the_best_of_vllms
     md = race.markdown({"4": out}, list(speed), {"vllm": "0", "machine": "m", "prompts": 6, "max_tokens": 64,
                                                  "repeats": 2, "date": "d"})  # fmt: skip
     assert "| gbt-gated-batch |" in md and "1.08x" in md
+
+
+def test_calibrating_inside_vllm_without_vllm_says_where_vllm_lives(tmp_path, capsys):
+    import importlib.util
+
+    from speckv_policy.cli.calibrate import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment")
+    out = tmp_path / "batch.json"
+    assert main(["--engine", "vllm", "--out", str(out)]) == 2
+    assert "bash .ci/setup-vllm" in capsys.readouterr().err and not out.exists()

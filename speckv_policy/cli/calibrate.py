@@ -140,8 +140,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _calibrate_vllm(args: argparse.Namespace) -> int:
     """``--engine vllm``: batch costs measured inside vLLM's engine."""
+    import importlib.util
+
     from ..prompts import PromptFileError, read_prompts
 
+    if importlib.util.find_spec("vllm") is None:
+        return fail(
+            "speckv-calibrate",
+            "--engine vllm needs vLLM, which this environment lacks: make vLLM's own environment with "
+            "bash .ci/setup-vllm and run .venv-vllm/bin/speckv-calibrate --engine vllm ...",
+        )
     t0 = time.perf_counter()
     try:
         writable_file(args.out)
