@@ -74,7 +74,7 @@ def test_batch_costs_measured_inside_vllm_price_the_policy_and_outputs_stay_vllm
     out = tmp_path / "batch-costs.json"
     cmd = [str(VLLM_PYTHON), "-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", str(out)]
     r = subprocess.run(
-        cmd + ["--batch-sizes", "1,4", "--max-new-tokens", "24"],
+        cmd + ["--batch-sizes", "1,4", "--max-new-tokens", "16"],
         cwd=ROOT,
         env=_env(),
         capture_output=True,
@@ -87,7 +87,7 @@ def test_batch_costs_measured_inside_vllm_price_the_policy_and_outputs_stay_vllm
     assert {1, 4} <= set(costs.batch_sizes) and "batch   4: per request" in r.stdout
     # one request's share of a step's fixed part shrinks as four requests share it (measured: about 3x here)
     assert costs.at(4).verify_base_ms[0] < 0.75 * costs.at(1).verify_base_ms[0]
-    # the policy priced for its batch: greedy outputs still vLLM's own, four requests at once
-    res = _drive("server", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=32, costs=str(out))
+    # the policy priced for each step's batch: greedy outputs still vLLM's own, four requests at once
+    res = _drive("offline", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=32, costs=str(out))
     for pid, plain, spec in zip(res["prompts"], res["plain"], res["speckv"]):
         assert spec == plain, pid
