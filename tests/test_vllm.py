@@ -27,20 +27,20 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
 
 
+def _run_vllm(args: list[str]) -> subprocess.CompletedProcess:
+    """``args`` run by vLLM's environment's Python from the repository root."""
+    cmd = [str(VLLM_PYTHON), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200, check=False)
+
+
 def _drive(how: str, policy: str, prompts: int, max_tokens: int, costs: str | None = None) -> dict:
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
     target = smollm2_safetensors()  # the HF folder vLLM loads (written once from the shipped GGUF)
-    r = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_driver.py"), how, str(target), "datasets/smollm2/draft"]
+    r = _run_vllm(
+        [str(ROOT / "tests" / "vllm_driver.py"), how, str(target), "datasets/smollm2/draft"]
         + [policy, str(prompts), str(max_tokens)]
-        + ([costs] if costs else []),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
+        + ([costs] if costs else [])
     )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-4000:]
@@ -72,15 +72,9 @@ def test_batch_costs_measured_inside_vllm_price_the_policy_and_outputs_stay_vllm
     from speckv_policy.batch_costs import BatchCosts
 
     out = tmp_path / "batch-costs.json"
-    cmd = [str(VLLM_PYTHON), "-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", str(out)]
-    r = subprocess.run(
-        cmd + ["--batch-sizes", "1,4", "--max-new-tokens", "16"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
+    r = _run_vllm(
+        ["-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", str(out), "--batch-sizes", "1,4"]
+        + ["--max-new-tokens", "16"]
     )
     assert r.returncode == 0, r.stderr[-4000:]
     costs = BatchCosts.load(out)
