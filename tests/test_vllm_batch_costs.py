@@ -151,8 +151,8 @@ def test_the_sglang_rule_moves_between_tiers_with_the_engines_acceptance(pair_di
     prompts = [[5, 9, 13, 2], [7, 7, 1, 30, 4], [3, 3, 8, 1]]
     full, steps = _engine(p, target, prompts, 40)
     drafted = {s[0] for req in steps for s in req}
-    assert drafted - {0} <= {1, 3, 7} | set(range(8))  # tiers, cut at the length limit
-    assert len({s[0] for req in steps for s in req[:-2]}) >= 2  # the tier moved from its start (3)
+    assert drafted <= {1, 3, 7}  # SGLang's tiers only: the rule never drafts 0 or a length between tiers
+    assert len(drafted) >= 2  # the tier moved from where it started (3)
     assert all(f == _greedy(target, q, 40) for f, q in zip(full, prompts))
     assert SGLangStyleSteps().gamma() == 3  # where every request started
 
@@ -165,7 +165,7 @@ def test_explore_drafts_random_lengths_and_timings_make_engine_steps(pair_dir, t
     prompts = [[5, 9, 13, 2], [7, 7, 1, 30, 4], [3, 3, 8, 1]]
     full, steps = _engine(p, target, prompts, 30)
     lengths = [s[0] for req in steps for s in req]
-    assert set(lengths) >= {0, 1, 2, 3, 4} - {max(lengths) + 1}  # the whole range is drawn
+    assert set(lengths) == {0, 1, 2, 3, 4}  # the whole range 0..max_gamma is drawn, nothing past it
     assert all(f == _greedy(target, q, 30) for f, q in zip(full, prompts))
     rows = read_timings(timings)
     assert len(rows) == p.calls and rows[0]["new"] == 3 and rows[1]["new"] == 0
