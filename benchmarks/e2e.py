@@ -37,6 +37,7 @@ from speckv_policy.evaluation.race import (
     unexplained,
     write_section,
 )
+from speckv_policy.hf.eagle3 import is_eagle3_dir
 
 
 def _goal_line(what: str, v: dict[str, Any], key: str, goal: float) -> str:
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             costs=costs,
             peer_log=peer_log,
             peer_costs=replace(peer_costs, decision_draft_tokens=0),
+            eagle3=is_eagle3_dir(args.draft),
         )
         cfg = RaceConfig(
             target=args.target,

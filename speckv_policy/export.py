@@ -369,6 +369,8 @@ def policy_metadata(policy: GammaPolicy) -> dict[str, str]:
         # (fit_from_log(..., history_rounds=N)); without rounds, the same as the training fingerprint
         "speckv.log_fingerprint": str(getattr(policy, "log_fingerprint_", policy.training_fingerprint_)),
         "speckv.history_rounds": str(int(getattr(policy, "history_rounds_", 0))),
+        # what drafted the training steps ('eagle3' heads or draft 'model's); the hook warns on another kind
+        "speckv.draft_kind": str(getattr(policy, "draft_kind_", "")),
         "speckv.params": json.dumps({k: repr(v) for k, v in policy.get_params().items()}, sort_keys=True),
         **(
             {

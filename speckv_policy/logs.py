@@ -91,6 +91,17 @@ class LogValidationError(ValueError):
         super().__init__(f"{source}: invalid step log:\n  " + "\n  ".join(shown) + tail)
 
 
+#: ``draft_model`` values of steps drafted by an EAGLE-3 head start with this (``speckv_policy.hf.models.model_id``)
+EAGLE3_PREFIX = "eagle3:"
+
+
+def draft_kind(df: pd.DataFrame) -> str:
+    """What drafted a log's steps: ``'eagle3'`` (heads reading the target), ``'model'`` (draft models) or ``'mixed'``."""
+    names = df["draft_model"].astype(str)
+    heads = names.str.startswith(EAGLE3_PREFIX)
+    return "eagle3" if bool(heads.all()) else "model" if not bool(heads.any()) else "mixed"
+
+
 def _row_problems(mask: np.ndarray, df: pd.DataFrame, col: str, expected: str) -> list[str]:
     out = []
     for pos in np.flatnonzero(mask)[:_MAX_REPORTED]:

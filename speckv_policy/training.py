@@ -12,6 +12,7 @@ import pandas as pd
 from sklearn.base import clone
 
 from .atomic import atomic_write
+from .logs import draft_kind
 from .objective import CostModel
 from .policies import POLICIES, GammaPolicy, GatedPolicy, check_candidates, training_data
 from .policies.gated import GATED_FEATURE_SET
@@ -91,6 +92,8 @@ def fit_from_log(
     X, y = training_data(log, policy.feature_set, split=split)
     policy.fit(X, y)
     log_fingerprint = policy.training_fingerprint_
+    kind = draft_kind(log)  # recorded in the export; the hook warns when the policy runs with another kind of draft
+    policy.draft_kind_ = kind
     if history_rounds == 0:
         return policy
     from .replay import HISTORY_SETS, replay_features
@@ -108,6 +111,7 @@ def fit_from_log(
     # what an export records besides the fingerprint of the rows it was fitted on: the logged rows they came from
     policy.log_fingerprint_ = log_fingerprint
     policy.history_rounds_ = history_rounds
+    policy.draft_kind_ = kind
     return policy
 
 

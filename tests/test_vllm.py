@@ -85,3 +85,20 @@ def test_batch_costs_measured_inside_vllm_price_the_policy_and_outputs_stay_vllm
     res = _drive("offline", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=32, costs=str(out))
     for pid, plain, spec in zip(res["prompts"], res["plain"], res["speckv"]):
         assert spec == plain, pid
+
+
+def test_the_shipped_eagle3_head_is_a_speculators_eagle3_folder(tmp_path):
+    """speculators' own config classes read the shipped head, and its weights are their model's (the input embedding
+    aside: the head shares the target's, as vLLM does when a head ships none)."""
+    head = ROOT / "datasets" / "smollm2" / "eagle3"
+    cmd = [str(VLLM_PYTHON), str(ROOT / "tests" / "speculators_check.py"), str(head)]
+    r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-4000:]
+    got = json.loads(lines[-1].removeprefix("RESULT "))
+    meta = json.loads((head / "speckv.json").read_text())
+    assert got["class"] == "Eagle3SpeculatorConfig" and got["speculators_model_type"] == "eagle3"
+    assert got["algorithm"] == "eagle3" and got["layer_config"] == "LlamaConfig"
+    assert got["aux_layer_ids"] == meta["aux_layer_ids"] and got["draft_vocab_size"] == meta["draft_vocab_size"]
+    assert got["target_hidden_size"] == 576 and got["verifier"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert got["missing"] == ["embed_tokens.weight"] and got["unexpected"] == [] and got["misshapen"] == []

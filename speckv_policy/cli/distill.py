@@ -128,7 +128,7 @@ def _main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0, help="seed of the templates' fillers (default 0)")
     c = sub.add_parser("corpus", help="let the target answer the prompts; record its top-k distributions")
     c.add_argument("--prompts", required=True, help="JSON-lines prompt file to answer")
-    c.add_argument("--out", required=True, help="corpus file to write (resumable)")
+    c.add_argument("--out", required=True, help="corpus file to write (once, at the end)")
     c.add_argument(
         "--samples", type=int_at_least(1), default=4, help="answers per training prompt (1 greedy + sampled)"
     )
@@ -175,6 +175,25 @@ def _main(argv: list[str] | None = None) -> int:
     cp.add_argument("--corpus", required=True, help="corpus file(s) with the validation and held-out answers")
     cp.add_argument("--draft", required=True, help="draft folder whose draft.json gets the gate")
     cp.add_argument("--max-match", type=int, default=8, help="longest context match the gate reads (default 8)")
+    h = sub.add_parser(
+        "eagle3",
+        help="train an EAGLE-3 head (speculators format) on the target's features: resumable, a progress bar",
+    )
+    h.add_argument("--corpus", required=True, help="corpus file(s), comma-separated")
+    h.add_argument("--out", required=True, help="head folder to write (config.json, model.safetensors, speckv.json)")
+    h.add_argument("--work", required=True, help="folder for the features and the checkpoint (resumes from it)")
+    h.add_argument(
+        "--minutes", type=float_in(0.0, 1e6, low_open=True), default=60.0, help="training time budget (default 60)"
+    )
+    h.add_argument(
+        "--vocab-size", type=int_at_least(2), default=8192, help="tokens of the head's vocabulary (default 8192)"
+    )
+    h.add_argument("--ttt-steps", type=int_at_least(1), default=3, help="training-time-test depth (default 3)")
+    h.add_argument("--lr", type=float_in(0.0, 10.0, low_open=True), default=5e-4, help="learning rate (default 5e-4)")
+    h.add_argument("--fit-prefix", default="gen-", help="fit training prompts whose id starts with this (default gen-)")
+    h.add_argument(
+        "--compressions", default="fp32,int8,nf4", help="targets to measure held-out agreement on (default all three)"
+    )
     e = sub.add_parser("eval", help="held-out greedy agreement of a shipped draft")
     e.add_argument("--corpus", required=True, help="corpus file(s) with the held-out answers")
     e.add_argument("--draft", required=True, help="draft folder")
@@ -259,6 +278,29 @@ def _main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     elif args.cmd == "copy":
         _fit_copy_command(args)
+    elif args.cmd == "eagle3":
+        from ..smollm2.eagle3 import build_eagle3
+
+        comps = tuple(c.strip() for c in args.compressions.split(",") if c.strip())
+        bad = [c for c in comps if c not in ("fp32", "int8", "nf4")]
+        if bad or "fp32" not in comps:
+            raise DistillError(f"--compressions: expected fp32 and any of int8, nf4; got {args.compressions!r}")
+        try:
+            meta = build_eagle3(
+                _load_corpora(args.corpus),
+                args.out,
+                args.work,
+                fit_prefix=args.fit_prefix,
+                minutes=args.minutes,
+                draft_vocab_size=args.vocab_size,
+                steps=args.ttt_steps,
+                lr=args.lr,
+                compressions=comps,
+            )
+        except ValueError as exc:
+            raise DistillError(str(exc)) from None
+        keys = ("steps", "train_minutes", "validation_agreement", "heldout_agreement", "vocabulary_greedy_coverage")
+        print(json.dumps({k: meta[k] for k in keys}, indent=1))
     else:
         corpus = _load_corpora(args.corpus)
         model = load_draft(args.draft)

@@ -190,8 +190,13 @@ def make_arms(
     *,
     peer_log: Any = None,
     peer_costs: Any = None,
+    eagle3: bool = False,
 ) -> list[ArmSpec]:
     """Every arm of the race; ``costs`` (a calibration of this machine) adds the ``*-repriced`` arms.
+
+    ``eagle3``: the draft is an EAGLE-3 head, which transformers' own candidate
+    generator cannot run; ``hf-heuristic`` then runs HF's rule through the hook
+    (:class:`HFHeuristicSchedule`), and ``hf-fixed-4`` and ``hf-default`` are left out.
 
     ``peer_log`` (a step log, for the cold start) and ``peer_costs`` (a
     :class:`~speckv_policy.objective.CostModel` without probe) add the
@@ -208,27 +213,30 @@ def make_arms(
         ArmSpec(f"fixed-{g}", mode="fixed", rule=lambda compression, g=g: ConstantGamma(g), group="fixed")
         for g in (2, 4, 6, 8)
     ]
-    arms.append(ArmSpec("hf-fixed-4", hf={**off, "num_assistant_tokens": 4}))
-    arms.append(
-        ArmSpec(
-            "hf-default",
-            hf={
-                "num_assistant_tokens": 20,
-                "num_assistant_tokens_schedule": "constant",
-                "assistant_confidence_threshold": 0.4,
-            },
+    if eagle3:
+        arms.append(ArmSpec("hf-heuristic", mode="fixed", rule=lambda compression: HFHeuristicSchedule()))
+    else:
+        arms.append(ArmSpec("hf-fixed-4", hf={**off, "num_assistant_tokens": 4}))
+        arms.append(
+            ArmSpec(
+                "hf-default",
+                hf={
+                    "num_assistant_tokens": 20,
+                    "num_assistant_tokens_schedule": "constant",
+                    "assistant_confidence_threshold": 0.4,
+                },
+            )
         )
-    )
-    arms.append(
-        ArmSpec(
-            "hf-heuristic",
-            hf={
-                "num_assistant_tokens": 20,
-                "num_assistant_tokens_schedule": "heuristic",
-                "assistant_confidence_threshold": 0.0,
-            },
+        arms.append(
+            ArmSpec(
+                "hf-heuristic",
+                hf={
+                    "num_assistant_tokens": 20,
+                    "num_assistant_tokens_schedule": "heuristic",
+                    "assistant_confidence_threshold": 0.0,
+                },
+            )
         )
-    )
     arms.append(ArmSpec("adaedl", policy=adaedl_policy, mode="per-token"))
     arms.append(ArmSpec("sglang-adaptive", mode="fixed", rule=lambda compression: SGLangStyleSteps()))
     if peer_log is not None and peer_costs is not None:

@@ -9,7 +9,8 @@ hook was tested on (:mod:`speckv_policy.hf._compat`).
 """
 
 from ..settings import HookSettings
-from .candidates import SpeckvCandidateGenerator
+from .candidates import Eagle3CandidateGenerator, SpeckvCandidateGenerator
+from .eagle3 import Eagle3Config, Eagle3Head, load_eagle3
 from .fast_draft import LlamaDecodeStep, decode_step_blocker
 from .hook import MODES, SpeckvHandle, StepStats, attach, detect_compression
 from .live_costs import LiveCosts
@@ -17,6 +18,10 @@ from .models import quiet_int8_cast_log
 from .onednn import use_onednn_linear
 
 __all__ = [
+    "Eagle3CandidateGenerator",
+    "Eagle3Config",
+    "Eagle3Head",
+    "load_eagle3",
     "attach",
     "HookSettings",
     "detect_compression",

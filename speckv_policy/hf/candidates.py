@@ -9,18 +9,23 @@ policy picks.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
+from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
+from ..runtime import PolicyFallbackWarning
 from . import _compat
 from ._compat import AssistedCandidateGenerator
 from .controller import Controller
+from .eagle3 import Eagle3Head
+from .eagle3_draft import Eagle3Drafter, TargetFeatureTap, eagle3_blocker
 from .fast_draft import LlamaDecodeStep, decode_step_blocker
 from .lean_draft import LeanDraft
 
-__all__ = ["SpeckvCandidateGenerator", "install"]
+__all__ = ["Eagle3CandidateGenerator", "SpeckvCandidateGenerator", "install"]
 
 
 def _decode_step(draft: Any, how: str) -> tuple[LlamaDecodeStep | None, str]:
@@ -116,9 +121,99 @@ class SpeckvCandidateGenerator(AssistedCandidateGenerator):
         self.controller.observe_verification(scores, int(num_matches))
 
 
+class Eagle3CandidateGenerator(CandidateGenerator):
+    """Candidate generator drafting with an EAGLE-3 head that reads the target's features; length from a policy.
+
+    The first step of a generation drafts nothing (the target's prefill provides
+    the first features). A target the head cannot read, or features that go
+    missing, mean plain decoding from then on, with one warning: the output is
+    the target's either way.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        head: Eagle3Head,
+        generation_config: Any,
+        logits_processor: Any,
+        controller: Controller,
+        taps: list[TargetFeatureTap],
+    ) -> None:
+        self.controller = controller
+        self.assistant_model = head
+        self.main_model_max_length = generation_config.max_length
+        self.drafter: Eagle3Drafter | None = None
+        self.tap: TargetFeatureTap | None = None
+        why = eagle3_blocker(target, head)
+        if why is None:
+            self.tap = TargetFeatureTap(target, head.eagle.aux_layer_ids)
+            taps.append(self.tap)
+            embed = target.get_input_embeddings().weight.detach()
+            self.drafter = Eagle3Drafter(
+                head,
+                embed.to(head.device),
+                logits_processor,
+                bool(generation_config.do_sample),
+                generation_config.eos_token_id,
+                generation_config.min_length or 0,
+            )
+        else:
+            self._give_up(why)
+        controller.begin(generation_config, head.device)
+        controller.draft_loop_used = "eagle3" if self.drafter is not None else f"none ({why})"
+        controller.draft_forward_used = "eagle3 head"
+        self._cur = 0
+        self._gamma = 0
+
+    def _give_up(self, why: str) -> None:
+        warnings.warn(
+            f"speckv-policy: the EAGLE-3 head cannot draft here ({why}); decoding without drafts",
+            PolicyFallbackWarning,
+            stacklevel=3,
+        )
+        self.drafter = None
+        if self.tap is not None:
+            self.tap.remove()
+
+    def get_candidates(
+        self, input_ids: torch.LongTensor, **kwargs: Any
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        c = self.controller
+        cur = input_ids.shape[-1]
+        self._cur, self._gamma = cur, 0
+        ready = self.drafter is not None and self.drafter.ready(cur)
+        cap = c.start_step(input_ids, self.main_model_max_length - cur - 1 if ready else 0)
+        if cap <= 0 or self.drafter is None:
+            c.start_verification(drafted=False)
+            return input_ids, None
+        per_token = c.mode.asks_per_token
+        ids, logits = self.drafter.draft(input_ids, cap, c.on_draft_token if per_token else None)
+        gamma = c.finish_draft(ids, logits, cur)
+        c.start_verification()
+        self._gamma = int(gamma)
+        if gamma == 0:
+            return input_ids, None
+        return ids[:, : cur + gamma], logits[:, :gamma]
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        if self.drafter is not None and self.tap is not None:
+            feats = self.tap.take()
+            if feats is None:
+                self._give_up("the target's forward pass did not reach the layers the head reads")
+            else:
+                end = self._cur + self._gamma  # the forward covered the last feats.shape[0] positions before end
+                try:
+                    self.drafter.add_features(feats, end - feats.shape[0], self._cur + int(num_matches))
+                except ValueError as exc:
+                    self._give_up(str(exc))
+        self.controller.end_step(int(num_matches))
+        self.controller.observe_verification(scores, int(num_matches))
+
+
 def install(target: Any, controller: Controller) -> None:
     """Route ``target``'s plain assisted generation through a :class:`SpeckvCandidateGenerator`."""
     original = _compat.default_candidate_generator(target)
+    taps: list[TargetFeatureTap] = []  # an EAGLE-3 head's hooks on the target, removed when generate returns
 
     def _get_candidate_generator(
         generation_config: Any,
@@ -154,6 +249,11 @@ def install(target: Any, controller: Controller) -> None:
             )
         if (generation_config.num_beams or 1) > 1:
             raise ValueError("speckv-policy: assisted decoding does not support beam search (num_beams > 1)")
+        controller.check_draft_kind("eagle3" if isinstance(assistant_model, Eagle3Head) else "model")
+        if isinstance(assistant_model, Eagle3Head):
+            return Eagle3CandidateGenerator(
+                target, assistant_model, generation_config, logits_processor, controller, taps
+            )
         return SpeckvCandidateGenerator(
             input_ids=input_ids,
             assistant_model=assistant_model,
@@ -174,7 +274,11 @@ def install(target: Any, controller: Controller) -> None:
             if beams > 1:
                 # transformers would silently run beam search without the assistant
                 raise ValueError("speckv-policy: assisted decoding does not support beam search (num_beams > 1)")
-        return original_generate(*args, **kwargs)
+        try:
+            return original_generate(*args, **kwargs)
+        finally:
+            while taps:
+                taps.pop().remove()
 
     _compat.install_candidate_generator(target, _get_candidate_generator)
     target.generate = generate

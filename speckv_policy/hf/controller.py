@@ -136,6 +136,7 @@ class Controller:
         self.target_signals = record_tokens
         self._signal_us = 0.0  # time spent on them after the last verification, charged to the next decision
         self._matcher = ContextMatcher()  # context_match_len, kept incrementally over a generation
+        self._warned_draft_kind = False
         runtime = decider.runtime if isinstance(decider, PolicyDecider) else None
         # ... scanned only where it is logged, the stop rule reads it, or the policy's decisions can depend on it
         reads = runtime.read_features if runtime is not None else None
@@ -147,6 +148,21 @@ class Controller:
         self._token_stats: Callable[[torch.Tensor], tuple[float, float]] = draft_token_stats_one
         if reads is not None and "entropy_first" not in reads:
             self._token_stats = _confidence_and_no_entropy if "conf_first" in reads else _no_token_stats
+
+    def check_draft_kind(self, kind: str) -> None:
+        """Warn once if the policy was trained on steps of another kind of draft (``'eagle3'`` or ``'model'``)."""
+        runtime = self.decider.runtime if isinstance(self.decider, PolicyDecider) else None
+        trained = runtime.metadata.get("speckv.draft_kind", "") if runtime is not None else ""
+        if trained in ("eagle3", "model") and trained != kind and not self._warned_draft_kind:
+            self._warned_draft_kind = True
+            what = {"eagle3": "an EAGLE-3 head", "model": "a draft model"}
+            warnings.warn(
+                f"speckv-policy: {runtime.path} was trained on steps drafted by {what[trained]}, but this generate "
+                f"call drafts with {what[kind]}: its acceptance estimates do not transfer (retrain it on a profile "
+                "of this draft)",
+                PolicyFallbackWarning,
+                stacklevel=4,
+            )
 
     # -- sequence / step bookkeeping --------------------------------------
     def begin(self, generation_config: Any, device: torch.device) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..machine import describe_host
+from .eagle3 import is_eagle3_dir, load_eagle3
 
 __all__ = [
     "COMPRESSIONS_LOADABLE",
@@ -184,6 +185,10 @@ def load_model(
 
     if not from_pretrained.get("gguf_file"):
         _check_folder(path)
+    if is_eagle3_dir(path):  # a draft head in the speculators eagle3 format (it drafts only with its target)
+        if compression not in _DTYPES:
+            raise ValueError(f"{path}: an EAGLE-3 head runs in full precision (fp32, bf16 or fp16), not {compression}")
+        return load_eagle3(path, device=device, dtype=_DTYPES[compression])
     if compression in _DTYPES:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[compression], **from_pretrained)
         model = model.to(device)
@@ -208,8 +213,8 @@ def load_model(
 
 
 def model_id(path: str | os.PathLike[str]) -> str:
-    """A short identifier for logs: the folder's name."""
-    return Path(path).name
+    """A short identifier for logs: the folder's name (``eagle3:`` before an EAGLE-3 head's)."""
+    return ("eagle3:" if is_eagle3_dir(path) else "") + Path(path).name
 
 
 @dataclass(frozen=True)

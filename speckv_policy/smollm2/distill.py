@@ -77,6 +77,7 @@ def generate_corpus(
     bar = tqdm(total=len(jobs), desc="corpus", disable=not progress, file=sys.stderr)
     for greedy in (True, False):
         todo = [(p, s) for p, s in jobs if (s == 0) == greedy]
+        todo.sort(key=lambda job: len(job[0].text or job[0].input_ids or ""))  # similar lengths: little padding
         for i in range(0, len(todo), batch_size):
             chunk = todo[i : i + batch_size]
             enc = [torch.tensor(encode_prompt(p, tok)) for p, _ in chunk]

@@ -1,0 +1,467 @@
+"""An EAGLE-3 draft head: one decoder layer reading the target's own hidden states, in the ``speculators`` format.
+
+EAGLE-3 (Li et al., 2025) drafts from three of the target's hidden states
+(low, middle and high layers, concatenated and projected by ``fc``) and the
+embedding of the token sampled after them, through one Llama decoder layer
+whose attention reads both (q/k/v over ``2 * hidden``; ``input_layernorm`` on
+the embedding half, ``hidden_norm`` on the hidden half), a final ``norm`` and
+an LM head over a reduced vocabulary (``d2t[i]`` is the offset from draft id
+``i`` to its target id; ``t2d`` marks the target ids the head covers). Later
+draft tokens read the layer's own output in place of the target's features.
+
+The folder is the layout vLLM's ``speculators`` library defines and vLLM
+serves: ``config.json`` (``speculators_model_type: "eagle3"``,
+``transformer_layer_config``, ``draft_vocab_size``,
+``eagle_aux_hidden_state_layer_ids``, ``target_hidden_size``,
+``speculators_config`` naming the verifier) and ``model.safetensors``
+(``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``). The input
+embedding is the target's and is not stored (vLLM shares it too). Layer id
+``k`` means the state entering the target's layer ``k`` (Hugging Face's
+``hidden_states[k]``, vLLM's auxiliary layer ``k``).
+
+Loading reads JSON and safetensors only: nothing in the folder executes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..atomic import atomic_write_dir
+
+__all__ = ["EAGLE3_CONFIG", "EAGLE3_WEIGHTS", "Eagle3Config", "Eagle3Head", "is_eagle3_dir", "load_eagle3"]
+
+EAGLE3_CONFIG = "config.json"
+EAGLE3_WEIGHTS = "model.safetensors"
+#: training metadata the project writes beside the speculators files (agreement, corpus, time)
+EAGLE3_META = "speckv.json"
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """What an EAGLE-3 head is: its decoder layer's shape, its vocabulary and the target layers it reads.
+
+    Parameters
+    ----------
+    hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim : int
+        The decoder layer's shape (the target's, so that features and embeddings fit).
+    vocab_size : int
+        The target's vocabulary size.
+    draft_vocab_size : int
+        Tokens the head's LM head covers.
+    aux_layer_ids : tuple of int
+        Target layers whose input states the head reads (``hidden_states[k]``), low to high.
+    rms_norm_eps, rope_theta : float
+        As in the target.
+    norm_before_residual : bool
+        Whether the residual is the normalised hidden half (speculators' option; False by default).
+    verifier : str
+        The target's name (``speculators_config.verifier.name_or_path``).
+    extra_layer_config : dict
+        Further ``transformer_layer_config`` entries kept as read (written back unchanged).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    norm_before_residual: bool = False
+    verifier: str = ""
+    verifier_architectures: tuple[str, ...] = ("LlamaForCausalLM",)
+    extra_layer_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_target(
+        cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None, verifier: str = ""
+    ) -> Eagle3Config:
+        """The head shape for a Llama-style target config; layers default to speculators' ``[2, L // 2, L - 3]``."""
+        n = int(target_config.num_hidden_layers)
+        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3)
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
+        heads = int(target_config.num_attention_heads)
+        return cls(
+            hidden_size=int(target_config.hidden_size),
+            intermediate_size=int(target_config.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(target_config, "num_key_value_heads", heads)),
+            head_dim=int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
+            vocab_size=int(target_config.vocab_size),
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=ids,
+            rms_norm_eps=float(target_config.rms_norm_eps),
+            rope_theta=theta,
+            verifier=verifier,
+            verifier_architectures=tuple(getattr(target_config, "architectures", None) or ("LlamaForCausalLM",)),
+        )
+
+    def to_speculators(self, speculative_tokens: int = 3) -> dict[str, Any]:
+        """The ``config.json`` dict in the speculators ``eagle3`` format."""
+        layer = dict(self.extra_layer_config)
+        layer.update(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim,
+                "num_hidden_layers": 1,
+                "vocab_size": self.vocab_size,
+                "rms_norm_eps": self.rms_norm_eps,
+                "hidden_act": "silu",
+                "attention_bias": False,
+                "mlp_bias": False,
+                "tie_word_embeddings": False,
+                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            }
+        )
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.9.0",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": self.draft_vocab_size,
+            "norm_before_residual": self.norm_before_residual,
+            "target_hidden_size": self.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "torch_dtype": "bfloat16",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": int(speculative_tokens),
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": self.verifier, "architectures": list(self.verifier_architectures)},
+            },
+        }
+
+    @classmethod
+    def from_speculators(cls, raw: Any, source: str = "config.json") -> Eagle3Config:
+        """Read a speculators ``eagle3`` config dict; a missing or wrong field is a ValueError naming it."""
+
+        def need(d: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+            if not isinstance(d, dict) or key not in d:
+                raise ValueError(f"{source}: missing '{where}{key}' (a speculators eagle3 config)")
+            v = d[key]
+            if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
+                raise ValueError(f"{source}: '{where}{key}' must be {kind}, got {v!r}")
+            return v
+
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        kind = raw.get("speculators_model_type")
+        if kind != "eagle3":
+            raise ValueError(f"{source}: speculators_model_type must be 'eagle3', got {kind!r}")
+        layer = need(raw, "transformer_layer_config", dict, "")
+        if layer.get("model_type", "llama") != "llama":
+            raise ValueError(
+                f"{source}: transformer_layer_config.model_type {layer.get('model_type')!r} is not supported "
+                "(Llama-style heads only)"
+            )
+        n_layers = layer.get("num_hidden_layers", 1)
+        if n_layers != 1:
+            raise ValueError(f"{source}: transformer_layer_config.num_hidden_layers must be 1, got {n_layers!r}")
+        ids = need(raw, "eagle_aux_hidden_state_layer_ids", list, "")
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"{source}: 'eagle_aux_hidden_state_layer_ids' must be non-negative integers, got {ids!r}")
+        w = "transformer_layer_config."
+        hidden = need(layer, "hidden_size", int, w)
+        heads = need(layer, "num_attention_heads", int, w)
+        rope = layer.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
+        target_hidden = raw.get("target_hidden_size") or hidden
+        if target_hidden != hidden:
+            raise ValueError(f"{source}: target_hidden_size {target_hidden} != hidden_size {hidden} is not supported")
+        verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
+        known = {
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "rms_norm_eps",
+            "rope_parameters",
+            "rope_theta",
+        }
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=need(layer, "intermediate_size", int, w),
+            num_attention_heads=heads,
+            num_key_value_heads=int(layer.get("num_key_value_heads", heads)),
+            head_dim=int(layer.get("head_dim") or hidden // heads),
+            vocab_size=need(layer, "vocab_size", int, w),
+            draft_vocab_size=need(raw, "draft_vocab_size", int, ""),
+            aux_layer_ids=tuple(ids),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-5)),
+            rope_theta=theta,
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            verifier=str(verifier),
+            extra_layer_config={k: v for k, v in layer.items() if k not in known},
+        )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalise in float32, scale in the input's dtype."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, Llama's half-split convention; ``x`` is ``[B, heads, T, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 head's weights and its three computations: fuse, one layer step, logits.
+
+    Parameters
+    ----------
+    config : Eagle3Config
+        The head's shape.
+
+    Notes
+    -----
+    ``self.config`` is a ``transformers.LlamaConfig`` view (vocabulary size,
+    ``is_encoder_decoder``) so that ``generate(..., assistant_model=head)``
+    accepts it; :attr:`eagle` is the :class:`Eagle3Config`. The head has no
+    input embedding of its own: drafting reads the target's.
+    """
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        from transformers import GenerationConfig, LlamaConfig
+
+        c = config
+        self.eagle = c
+        self.config = LlamaConfig(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            num_hidden_layers=1,
+            vocab_size=c.vocab_size,
+        )
+        self.generation_config = GenerationConfig()
+        h, n_aux = c.hidden_size, len(c.aux_layer_ids)
+        self.fc = nn.Linear(n_aux * h, h, bias=False)
+        layer = nn.Module()
+        attn = nn.Module()
+        attn.q_proj = nn.Linear(2 * h, c.num_attention_heads * c.head_dim, bias=False)
+        attn.k_proj = nn.Linear(2 * h, c.num_key_value_heads * c.head_dim, bias=False)
+        attn.v_proj = nn.Linear(2 * h, c.num_key_value_heads * c.head_dim, bias=False)
+        attn.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, h, bias=False)
+        mlp = nn.Module()
+        mlp.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        mlp.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        mlp.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        layer.self_attn, layer.mlp = attn, mlp
+        layer.input_layernorm = nn.Module()
+        layer.input_layernorm.weight = nn.Parameter(torch.ones(h))
+        layer.hidden_norm = nn.Module()
+        layer.hidden_norm.weight = nn.Parameter(torch.ones(h))
+        layer.post_attention_layernorm = nn.Module()
+        layer.post_attention_layernorm.weight = nn.Parameter(torch.ones(h))
+        self.layers = nn.ModuleList([layer])
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(h))
+        self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        #: rotary frequencies, float32 whatever the weights' dtype (not a buffer, so ``.to(dtype)`` leaves it)
+        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the head's weights are."""
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's weights' dtype."""
+        return self.fc.weight.dtype
+
+    def set_vocabulary(self, target_ids: torch.Tensor) -> None:
+        """Cover ``target_ids`` (sorted ascending, distinct): fills ``d2t`` (offsets) and ``t2d`` (a mask)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long).to(self.d2t.device)
+        if ids.numel() != self.eagle.draft_vocab_size:
+            raise ValueError(f"expected {self.eagle.draft_vocab_size} token ids, got {ids.numel()}")
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("token ids must be distinct and ascending")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def target_ids(self) -> torch.Tensor:
+        """The target id of every draft-vocabulary slot."""
+        return torch.arange(self.eagle.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """Project the concatenated target states ``[..., n_aux * hidden]`` to ``[..., hidden]``."""
+        return self.fc(aux.to(self.dtype))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions`` (``[T]`` or ``[B, T]``), shaped to broadcast over heads."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        if cos.dim() == 2:
+            return cos[None, None], sin[None, None]
+        return cos[:, None], sin[:, None]
+
+    def layer(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoder-layer step over ``T`` new rows.
+
+        Parameters
+        ----------
+        embeds, hidden : torch.Tensor of shape (B, T, hidden)
+            The token embeddings and the (fused or own) hidden states of the new rows.
+        rope : (cos, sin)
+            From :meth:`rope` for the new rows' positions.
+        past : (keys, values) or None
+            Earlier rows' keys and values, ``[B, kv_heads, S, head_dim]``.
+        mask : torch.Tensor or None
+            Boolean ``[T, S + T]`` (or broadcastable): True where a new row may attend. None: causal over the new
+            rows, all of ``past`` visible.
+
+        Returns
+        -------
+        out, keys, values : torch.Tensor
+            The layer's output ``[B, T, hidden]`` and the new rows' keys and values.
+        """
+        c = self.eagle
+        lay = self.layers[0]
+        a = lay.self_attn
+        b, t, _ = embeds.shape
+        embeds, hidden = embeds.to(self.dtype), hidden.to(self.dtype)
+        normed_hidden = _rms_norm(hidden, lay.hidden_norm.weight, c.rms_norm_eps)
+        x = torch.cat([_rms_norm(embeds, lay.input_layernorm.weight, c.rms_norm_eps), normed_hidden], dim=-1)
+        residual = normed_hidden if c.norm_before_residual else hidden
+        q = a.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2))
+        if mask is None and past is not None and past[0].shape[2] > 0:
+            s = past[0].shape[2]
+            mask = torch.ones(t, s + t, dtype=torch.bool, device=q.device).tril(s)
+        groups = c.num_attention_heads // c.num_key_value_heads
+        attn = F.scaled_dot_product_attention(
+            q,
+            keys.repeat_interleave(groups, dim=1),
+            values.repeat_interleave(groups, dim=1),
+            attn_mask=mask,
+            is_causal=mask is None and t > 1,
+            scale=1.0 / math.sqrt(c.head_dim),
+        )
+        h = residual + a.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        m = lay.mlp
+        y = _rms_norm(h, lay.post_attention_layernorm.weight, c.rms_norm_eps)
+        h = h + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+        return h, k, v
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits ``[..., draft_vocab_size]`` of layer outputs."""
+        return self.lm_head(_rms_norm(out, self.norm.weight, self.eagle.rms_norm_eps))
+
+    def save(self, folder: str | Path, meta: dict[str, Any] | None = None, speculative_tokens: int = 3) -> None:
+        """Write the speculators folder (bf16 weights, ``config.json``) and ``speckv.json``, atomically."""
+        from safetensors.torch import save_file
+
+        def write(tmp: Path) -> None:
+            sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+            sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in sd.items()}
+            save_file(sd, str(tmp / EAGLE3_WEIGHTS), metadata={"format": "pt"})
+            cfg = self.eagle.to_speculators(speculative_tokens)
+            (tmp / EAGLE3_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+            if meta is not None:
+                (tmp / EAGLE3_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+        atomic_write_dir(folder, write)
+
+
+def is_eagle3_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a folder holding a speculators ``eagle3`` config."""
+    p = Path(path) / EAGLE3_CONFIG
+    if not p.is_file():
+        return False
+    try:
+        return json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load_eagle3(
+    folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Eagle3Head:
+    """Load an EAGLE-3 head folder (speculators format).
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``config.json`` or ``model.safetensors`` is missing.
+    ValueError
+        If the config is not a Llama-style eagle3 config, or a weight is missing, extra or misshapen (named).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg_path, w_path = folder / EAGLE3_CONFIG, folder / EAGLE3_WEIGHTS
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: missing (an EAGLE-3 head folder holds {EAGLE3_CONFIG} and {EAGLE3_WEIGHTS})")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    head = Eagle3Head(Eagle3Config.from_speculators(raw, str(cfg_path)))
+    try:
+        sd = load_file(str(w_path))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{w_path}: not a readable safetensors file ({e})") from None
+    sd.pop("embed_tokens.weight", None)  # some exports carry the target's embedding; the head uses the target's own
+    own = head.state_dict()
+    missing = sorted(set(own) - set(sd))
+    extra = sorted(set(sd) - set(own))
+    if missing or extra:
+        raise ValueError(f"{w_path}: weights do not match the config: missing {missing}, unexpected {extra}")
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(f"{w_path}: '{k}' has shape {tuple(v.shape)}, the config implies {tuple(own[k].shape)}")
+    head.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()})
+    ids = head.target_ids()
+    if int(ids.min()) < 0 or int(ids.max()) >= head.eagle.vocab_size or not bool(head.t2d[ids].all()):
+        raise ValueError(f"{w_path}: d2t maps draft ids outside the vocabulary or disagrees with t2d")
+    return head.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,400 @@
+"""Training an EAGLE-3 head on a CPU: target features, vocabulary, training-time test.
+
+The loop (the speculators trainer expects an accelerator):
+
+1. **Features** (:func:`extract_features`): the target reads each corpus text
+   (prompt + its own answer, from ``speckv-distill corpus``) once, teacher-forced;
+   kept per position are the states entering the head's target layers
+   (concatenated, bf16) and, at answer positions, the target's top-k next-token
+   log-probabilities. Also for a quantized target (``compression``), to measure
+   what a head trained on fp32 features costs there.
+2. **Vocabulary** (:func:`choose_vocabulary`): the ``size`` tokens the target
+   writes or ranks first most often in its training answers.
+3. **Training** (:func:`train_head`): EAGLE-3's training-time test. Row ``j``
+   reads the target's features at position ``j`` and the embedding of token
+   ``j + 1`` and is scored against the target's distribution for token
+   ``j + 2``; each further step re-reads the layer's own outputs (the target's
+   features are gone after the first draft token, as at run time), the true next
+   tokens, and attends to the target-feature rows up to ``j`` plus its own chain
+   (the mask EAGLE-3 and speculators use). Soft cross-entropy on the target's
+   top-k restricted to the head's vocabulary; later steps count only where every
+   earlier step was right. Wall-clock budget, cosine schedule, checkpoints every
+   few minutes (resumable), best checkpoint by agreement on validation answers.
+4. **Agreement** (:func:`agreement`): the head's first draft token equals the
+   target's greedy token, teacher-forced on answer positions (the measure
+   ``docs/draft.md`` uses for the distilled draft).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from .eagle3 import Eagle3Config, Eagle3Head
+
+TOPK = 16
+
+
+# ----------------------------------------------------------------------------- features
+def extract_features(
+    corpus: dict,
+    idx: list[int],
+    model: Any,
+    layer_ids: tuple[int, ...],
+    *,
+    tokens_per_batch: int = 4096,
+    progress: bool = True,
+    desc: str = "features",
+) -> list[dict[str, Any]]:
+    """Teacher-forced target features of corpus texts ``idx``.
+
+    Returns, per text: ``ids`` (int64 ``[T]``), ``start`` (first answer position),
+    ``aux`` (bf16 ``[T, n_layers * hidden]``: the states entering ``layer_ids``),
+    ``top_ids`` / ``top_logp`` (``[T - start + 1, TOPK]``: the target's top-k at
+    positions ``start - 1 .. T - 1``), ``task_type``, ``prompt_id``, ``split``.
+    """
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    order = sorted(idx, key=lambda i: len(corpus["ids"][i]))
+    out: dict[int, dict[str, Any]] = {}
+    bar = tqdm(total=len(order), desc=desc, disable=not progress, file=sys.stderr)
+    i = 0
+    while i < len(order):
+        width = len(corpus["ids"][order[i]])
+        j = i
+        while j < len(order) and (j - i + 1) * max(width, len(corpus["ids"][order[j]])) <= tokens_per_batch:
+            width = max(width, len(corpus["ids"][order[j]]))
+            j += 1
+        j = max(j, i + 1)
+        chunk = order[i:j]
+        width = max(len(corpus["ids"][c]) for c in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, c in enumerate(chunk):
+            s = corpus["ids"][c].long()
+            ids[b, : len(s)] = s
+            mask[b, : len(s)] = 1
+        with torch.no_grad():
+            res = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+        aux = torch.cat([res.hidden_states[k] for k in layer_ids], dim=-1).float().cpu()
+        logits = res.logits.float().cpu()
+        for b, c in enumerate(chunk):
+            n = len(corpus["ids"][c])
+            start = int(corpus["start"][c])
+            logp = torch.log_softmax(logits[b, start - 1 : n], dim=-1)
+            top = logp.topk(min(TOPK, logp.shape[-1]), dim=-1)
+            out[c] = {
+                "ids": corpus["ids"][c].long(),
+                "start": start,
+                "aux": aux[b, :n].to(torch.bfloat16),
+                "top_ids": top.indices.to(torch.int32),
+                "top_logp": top.values.to(torch.float16),
+                "task_type": corpus["task_type"][c],
+                "prompt_id": corpus["prompt_id"][c],
+                "split": corpus["split"][c],
+            }
+        bar.update(len(chunk))
+        i = j
+    bar.close()
+    return [out[c] for c in idx]
+
+
+def choose_vocabulary(texts: list[dict[str, Any]], size: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` tokens the target writes or ranks first most often; and their share of its greedy tokens."""
+    counts: dict[int, int] = {}
+    for t in texts:
+        for tok in torch.cat([t["ids"][t["start"] :], t["top_ids"][:, 0].long()]).tolist():
+            counts[tok] = counts.get(tok, 0) + 1
+    ranked = sorted(counts, key=lambda k: (-counts[k], k))[:size]
+    if len(ranked) < size:  # a small corpus: fill with the lowest unused ids so the head has its declared size
+        used = set(ranked)
+        ranked += [k for k in range(size * 2 + len(used)) if k not in used][: size - len(ranked)]
+    chosen = torch.tensor(sorted(ranked), dtype=torch.long)
+    keep = set(ranked)
+    greedy = [int(x) for t in texts for x in t["top_ids"][:, 0].tolist()]
+    return chosen, float(np.mean([g in keep for g in greedy])) if greedy else 0.0
+
+
+# ----------------------------------------------------------------------------- the head from the target
+def init_head(target: Any, cfg: Eagle3Config, vocab: torch.Tensor) -> Eagle3Head:
+    """A head warm-started from the target.
+
+    ``fc`` passes the highest feature layer through, the decoder layer is a copy
+    of the target's layer at that depth (the embedding half of q/k/v small and
+    random), ``norm`` is the target's final norm and ``lm_head`` its output rows
+    for the head's vocabulary: before training the head reads the target's
+    features roughly as the target's own upper layers would.
+    """
+    head = Eagle3Head(cfg)
+    sd = target.state_dict()
+    h, n_aux = cfg.hidden_size, len(cfg.aux_layer_ids)
+    src = f"model.layers.{cfg.aux_layer_ids[-1]}."
+    with torch.no_grad():
+        fc = torch.randn(h, n_aux * h) * 0.01
+        fc[:, (n_aux - 1) * h :] += torch.eye(h)
+        head.fc.weight.copy_(fc)
+        lay = head.layers[0]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = sd[src + f"self_attn.{name}.weight"].float()
+            new = torch.randn(w.shape[0], 2 * h) * 0.01
+            new[:, h:] = w
+            getattr(lay.self_attn, name).weight.copy_(new)
+        lay.self_attn.o_proj.weight.copy_(sd[src + "self_attn.o_proj.weight"].float())
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(lay.mlp, name).weight.copy_(sd[src + f"mlp.{name}.weight"].float())
+        lay.hidden_norm.weight.copy_(sd[src + "input_layernorm.weight"].float())
+        lay.input_layernorm.weight.copy_(sd[src + "input_layernorm.weight"].float())
+        lay.post_attention_layernorm.weight.copy_(sd[src + "post_attention_layernorm.weight"].float())
+        head.norm.weight.copy_(sd["model.norm.weight"].float())
+        out_w = sd.get("lm_head.weight", sd["model.embed_tokens.weight"]).float()
+        head.lm_head.weight.copy_(out_w[vocab])
+    head.set_vocabulary(vocab)
+    return head
+
+
+# ----------------------------------------------------------------------------- training-time test
+def _collate(texts: list[dict[str, Any]], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Pad texts (right) into a batch; targets per sequence position (empty before the answer)."""
+    b, width = len(texts), max(len(t["ids"]) for t in texts)
+    dim, k_top = texts[0]["aux"].shape[1], texts[0]["top_ids"].shape[1]
+    aux = torch.zeros(b, width, dim, dtype=torch.bfloat16)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    length = torch.zeros(b, dtype=torch.long)
+    top_slot = torch.full((b, width, k_top), -1, dtype=torch.long)
+    top_p = torch.zeros(b, width, k_top)
+    greedy = torch.full((b, width), -1, dtype=torch.long)
+    for k, t in enumerate(texts):
+        n, s = len(t["ids"]), t["start"]
+        aux[k, :n] = t["aux"]
+        ids[k, :n] = t["ids"]
+        length[k] = n
+        tid = t["top_ids"].long()
+        top_slot[k, s - 1 : n] = slots[tid]
+        top_p[k, s - 1 : n] = t["top_logp"].float().exp()
+        greedy[k, s - 1 : n] = slots[tid[:, 0]]
+    return {"aux": aux, "ids": ids, "length": length, "top_slot": top_slot, "top_p": top_p, "greedy": greedy}
+
+
+def _chain_mask(width: int, step: int) -> torch.Tensor:
+    """Attention mask of TTT step ``step``: target rows up to ``j`` (causal), then row ``j``'s own chain."""
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    eye = torch.eye(width, dtype=torch.bool)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def ttt_forward(
+    head: Eagle3Head, embed: torch.Tensor, batch: dict[str, torch.Tensor], steps: int
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Training-time-test loss of a batch (summed over steps); per step (correct, counted) first-token hits."""
+    ids, length = batch["ids"], batch["length"]
+    b, width = ids.shape
+    rows = torch.arange(width)
+    hidden = head.fuse(batch["aux"].to(head.dtype))
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    alive = torch.ones(b, width, dtype=torch.bool)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats = []
+    for s in range(steps):
+        nxt = torch.zeros_like(ids)
+        nxt[:, : width - 1 - s] = ids[:, 1 + s :]  # row j reads token j + 1 + s
+        emb = F.embedding(nxt, embed)
+        rope = head.rope(rows + 1 + s)
+        past = None if s == 0 else (torch.cat(keys, dim=2), torch.cat(values, dim=2))
+        out, k, v = head.layer(emb, hidden, rope, past, None if s == 0 else _chain_mask(width, s))
+        keys.append(k)
+        values.append(v)
+        logq = torch.log_softmax(head.logits(out).float(), dim=-1)
+        # row j at step s is scored against the target's distribution at position j + 1 + s
+        pos = rows + 1 + s
+        inside = pos < width
+        pos_c = pos.clamp_max(width - 1)
+        slot = batch["top_slot"][:, pos_c]  # [b, width, K]
+        p = batch["top_p"][:, pos_c] * (slot >= 0)
+        greedy = batch["greedy"][:, pos_c]
+        valid = inside[None] & (pos[None] < length[:, None]) & (greedy != -1) & alive
+        valid &= batch["top_slot"][:, pos_c, 0] != -1  # an answer position (a target distribution is there)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        ce = -(p * logq.gather(-1, slot.clamp_min(0))).sum(-1)
+        n = int(valid.sum())
+        if n:
+            total = total + ce[valid].sum() / n
+        pred = logq.argmax(-1)
+        hit = (pred == greedy) & valid
+        stats.append((int(hit.sum()), n))
+        alive = alive & (pred == greedy)
+        hidden = out
+    return total, stats
+
+
+def _batches(texts: list[dict[str, Any]], tokens_per_batch: int, rng: np.random.Generator) -> list[list[int]]:
+    """Length-bucketed batches of about ``tokens_per_batch`` padded tokens, shuffled."""
+    order = sorted(range(len(texts)), key=lambda i: (len(texts[i]["ids"]), rng.random()))
+    batches, cur, width = [], [], 0
+    for i in order:
+        w = max(width, len(texts[i]["ids"]))
+        if cur and w * (len(cur) + 1) > tokens_per_batch:
+            batches.append(cur)
+            cur, w = [], len(texts[i]["ids"])
+        cur.append(i)
+        width = w
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def agreement(head: Eagle3Head, embed: torch.Tensor, texts: list[dict[str, Any]]) -> dict[str, float]:
+    """Teacher-forced first-draft-token agreement with the target's greedy token, per task and overall.
+
+    Over every answer token: the head, reading the target's features up to the token before it, drafts it; a
+    target token outside the head's vocabulary counts as a miss.
+    """
+    slots = _slots(head)
+    hits: dict[str, list[tuple[int, int]]] = {}
+    head.eval()
+    with torch.no_grad():
+        for k in range(0, len(texts), 8):
+            chunk = texts[k : k + 8]
+            batch = _collate(chunk, slots)
+            ids = batch["ids"]
+            width = ids.shape[1]
+            nxt = torch.zeros_like(ids)
+            nxt[:, :-1] = ids[:, 1:]
+            out, _, _ = head.layer(F.embedding(nxt, embed), head.fuse(batch["aux"]), head.rope(torch.arange(width) + 1))
+            pred = head.logits(out).argmax(-1)
+            for r, t in enumerate(chunk):
+                n, s = len(t["ids"]), t["start"]
+                rows = torch.arange(s - 2, n - 2)  # row j drafts the token after position j + 1
+                greedy = batch["greedy"][r, rows + 1]
+                hit = int(((pred[r, rows] == greedy) & (greedy >= 0)).sum())
+                hits.setdefault(t["task_type"], []).append((hit, n - s))
+    out_d: dict[str, float] = {}
+    for task, v in sorted(hits.items()):
+        out_d[task] = round(sum(h for h, _ in v) / max(1, sum(n for _, n in v)), 4)
+    every = [x for v in hits.values() for x in v]
+    out_d["overall"] = round(sum(h for h, _ in every) / max(1, sum(n for _, n in every)), 4)
+    return out_d
+
+
+def _slots(head: Eagle3Head) -> torch.Tensor:
+    """For every target id, its slot in the head's vocabulary (-1 outside it)."""
+    slots = torch.full((head.eagle.vocab_size,), -1, dtype=torch.long)
+    ids = head.target_ids().cpu()
+    slots[ids] = torch.arange(len(ids))
+    return slots
+
+
+def train_head(
+    head: Eagle3Head,
+    embed: torch.Tensor,
+    train: list[dict[str, Any]],
+    val: list[dict[str, Any]],
+    *,
+    minutes: float,
+    checkpoint: str | Path,
+    steps: int = 3,
+    lr: float = 5e-4,
+    warmup: int = 50,
+    tokens_per_batch: int = 2048,
+    eval_minutes: float = 4.0,
+    seed: int = 0,
+    progress: bool = True,
+    max_steps: int | None = None,
+) -> dict[str, Any]:
+    """Train ``head`` in place for ``minutes`` of wall clock (resuming ``checkpoint`` if it exists).
+
+    ``max_steps`` also ends it (and sets the cosine schedule's length) after that many optimizer steps.
+
+    Returns what happened (steps, minutes, validation agreement history) and leaves the best checkpoint's
+    weights in ``head``.
+    """
+    import copy
+
+    from tqdm.auto import tqdm
+
+    checkpoint = Path(checkpoint)
+    slots = _slots(head)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    state: dict[str, Any] = {"step": 0, "seconds": 0.0, "planned": 0, "best": -1.0, "history": [], "epoch": 0}
+    best_sd = copy.deepcopy(head.state_dict())
+    if checkpoint.exists():
+        ck = torch.load(checkpoint, weights_only=True)
+        head.load_state_dict(ck["head"])
+        best_sd = ck["best_head"]
+        opt.load_state_dict(ck["opt"])
+        state = ck["state"]
+    rng = np.random.default_rng(seed + int(state["epoch"]))
+    budget = minutes * 60.0
+    bar = tqdm(total=int(budget), desc="eagle3 train (s)", disable=not progress, file=sys.stderr, unit="s")
+    bar.update(int(state["seconds"]))
+    last_eval = state["seconds"]
+
+    def save() -> None:
+        tmp = checkpoint.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "best_head": best_sd, "opt": opt.state_dict(), "state": state}, tmp)
+        tmp.replace(checkpoint)
+
+    def evaluate() -> None:
+        nonlocal best_sd
+        acc = agreement(head, embed, val)["overall"]
+        state["history"].append([state["step"], round(state["seconds"] / 60, 2), round(acc, 4)])
+        if acc > state["best"]:
+            state["best"] = acc
+            best_sd = copy.deepcopy(head.state_dict())
+        bar.set_postfix(step=state["step"], val=f"{acc:.3f}", best=f"{state['best']:.3f}")
+        save()
+
+    if max_steps is not None:
+        state["planned"] = int(max_steps)
+
+    def done() -> bool:
+        return state["seconds"] >= budget or (max_steps is not None and state["step"] >= max_steps)
+
+    while not done():
+        for batch_idx in _batches(train, tokens_per_batch, rng):
+            if done():
+                break
+            t0 = time.perf_counter()
+            head.train()
+            batch = _collate([train[i] for i in batch_idx], slots)
+            loss, _ = ttt_forward(head, embed, batch, steps)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            state["step"] += 1
+            if state["planned"] == 0 and state["step"] == 20:  # plan the cosine schedule from the measured pace
+                state["planned"] = int(20 * budget / max(state["seconds"], 1e-3))
+            planned = max(state["planned"], state["step"] + 1)
+            frac = state["step"] / planned
+            scale = min(1.0, state["step"] / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+            for g in opt.param_groups:
+                g["lr"] = lr * scale
+            opt.step()
+            dt = time.perf_counter() - t0
+            state["seconds"] += dt
+            bar.update(int(state["seconds"]) - bar.n)
+            if state["seconds"] - last_eval >= eval_minutes * 60:
+                last_eval = state["seconds"]
+                evaluate()
+        else:
+            state["epoch"] += 1
+            rng = np.random.default_rng(seed + int(state["epoch"]))
+    evaluate()
+    bar.close()
+    head.load_state_dict(best_sd)
+    return {
+        "steps": state["step"],
+        "train_minutes": round(state["seconds"] / 60, 1),
+        "epochs": round(state["epoch"], 2),
+        "validation_agreement": round(state["best"], 4),
+        "history": state["history"],
+    }

@@ -1,0 +1,127 @@
+"""The EAGLE-3 head for SmolLM2-135M-Instruct: features, training and held-out agreement in one resumable build.
+
+``speckv-distill eagle3`` runs :func:`build_eagle3`; the loop itself is
+:mod:`speckv_policy.hf.eagle3_train` (the speculators trainer expects an
+accelerator). The folder it writes is the speculators ``eagle3`` layout
+(:mod:`speckv_policy.hf.eagle3`) plus ``speckv.json`` (what the build measured).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..hf.eagle3 import Eagle3Config
+from ..hf.eagle3_train import agreement, choose_vocabulary, extract_features, init_head, train_head
+
+
+def _cached_features(
+    path: Path, corpus: dict, idx: list[int], model: Any, layer_ids: tuple[int, ...], desc: str, progress: bool
+) -> list[dict[str, Any]]:
+    """Load features from ``path`` (tensors only) or extract them and save them atomically."""
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    feats = extract_features(corpus, idx, model, layer_ids, progress=progress, desc=desc, tokens_per_batch=2048)
+    tmp = path.with_suffix(".tmp")
+    torch.save(feats, tmp)
+    tmp.replace(path)
+    return feats
+
+
+def build_eagle3(
+    corpus: dict,
+    out: str | Path,
+    work: str | Path,
+    *,
+    fit_prefix: str = "gen-",
+    minutes: float = 60.0,
+    draft_vocab_size: int = 8192,
+    layer_ids: tuple[int, ...] | None = None,
+    steps: int = 3,
+    lr: float = 5e-4,
+    tokens_per_batch: int = 2048,
+    compressions: tuple[str, ...] = ("fp32", "int8", "nf4"),
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train the EAGLE-3 head for SmolLM2 and write its speculators folder to ``out``.
+
+    ``corpus`` is a merged ``speckv-distill corpus`` dict: training texts whose prompt id starts with
+    ``fit_prefix`` are fitted; the other training prompts' greedy answers select the checkpoint; held-out answers
+    are measured once at the end, at every compression in ``compressions`` (the head reads that target's
+    features and is compared with that target's greedy tokens). ``work`` keeps the features and the training
+    checkpoint, so an interrupted build resumes.
+    """
+    from .models import load_model
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    split, pid = corpus["split"], corpus["prompt_id"]
+    fit = [i for i in range(len(split)) if split[i] == "train" and pid[i].startswith(fit_prefix)]
+    val = [i for i in range(len(split)) if split[i] == "train" and not pid[i].startswith(fit_prefix)]
+    val = [i for i in val if corpus["greedy"][i]]
+    held = [i for i in range(len(split)) if split[i] == "heldout" and corpus["greedy"][i]]
+    if not fit or not val:
+        raise ValueError(
+            f"the corpus needs training texts with prompt ids starting {fit_prefix!r} (got {len(fit)}) "
+            f"and other training prompts' greedy answers (got {len(val)})"
+        )
+    t0 = time.time()
+    target = load_model("smollm2", "fp32")
+    cfg = Eagle3Config.for_target(
+        target.config, draft_vocab_size, layer_ids, verifier="HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    ids = cfg.aux_layer_ids
+    feats = _cached_features(
+        work / "features-fp32.pt", corpus, fit + val + held, target, ids, "features fp32", progress
+    )
+    f_fit, f_val, f_held = feats[: len(fit)], feats[len(fit) : len(fit) + len(val)], feats[len(fit) + len(val) :]
+    feature_minutes = (time.time() - t0) / 60
+    vocab, coverage = choose_vocabulary(f_fit, draft_vocab_size)
+    head = init_head(target, cfg, vocab)
+    embed = target.get_input_embeddings().weight.detach().float()
+    torch.manual_seed(0)
+    info = train_head(
+        head,
+        embed,
+        f_fit,
+        f_val,
+        minutes=minutes,
+        checkpoint=work / "train-checkpoint.pt",
+        steps=steps,
+        lr=lr,
+        tokens_per_batch=tokens_per_batch,
+        progress=progress,
+    )
+    held_agreement: dict[str, dict[str, float]] = {"fp32": agreement(head, embed, f_held)}
+    del target
+    for comp in compressions:
+        if comp == "fp32":
+            continue
+        quant = load_model("smollm2", comp)
+        fq = _cached_features(
+            work / f"features-{comp}-heldout.pt", corpus, held, quant, ids, f"features {comp}", progress
+        )
+        held_agreement[comp] = agreement(head, embed, fq)
+        del quant
+    meta = {
+        "base": "smollm2",
+        "kind": "eagle3",
+        "aux_layer_ids": list(ids),
+        "draft_vocab_size": draft_vocab_size,
+        "vocabulary_greedy_coverage": round(coverage, 4),
+        "ttt_steps": steps,
+        "lr": lr,
+        "tokens_per_batch": tokens_per_batch,
+        "fit_prefix": fit_prefix,
+        "texts": {"fit": len(fit), "validation": len(val), "heldout": len(held)},
+        "fit_positions": int(sum(len(t["ids"]) for t in f_fit)),
+        "feature_minutes": round(feature_minutes, 1),
+        "corpus_minutes": corpus.get("minutes"),
+        **info,
+        "heldout_agreement": held_agreement,
+    }
+    head.save(out, meta=meta)
+    return meta

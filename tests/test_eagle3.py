@@ -1,0 +1,390 @@
+"""The EAGLE-3 head: its speculators folder, its training loop, and drafting through the hook losslessly."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from speckv_policy.hf import attach
+from speckv_policy.hf.eagle3 import Eagle3Config, is_eagle3_dir, load_eagle3
+from speckv_policy.hf.eagle3_draft import Eagle3Drafter
+from speckv_policy.hf.eagle3_train import (
+    agreement,
+    choose_vocabulary,
+    extract_features,
+    init_head,
+    train_head,
+    ttt_forward,
+)
+from speckv_policy.runtime import PolicyFallbackWarning
+from speckv_policy.testing import tiny_eagle3_head, tiny_llama_pair
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
+
+LAYERS = (0, 1, 2)
+PROMPTS = [[1, 2, 3, 4], [7, 9], [30, 31, 32]]
+
+
+@pytest.fixture(scope="module")
+def eagle_pair():
+    """A near-bigram tiny target (3 layers) and a head trained on it, over 48 of its 64 tokens."""
+    target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=0, layer_scale=0.2)
+    head = tiny_eagle3_head(target, LAYERS, draft_vocab_size=48, prompts=PROMPTS)
+    return target, head
+
+
+def _teacher_forced_logits(target, head, seq):
+    """The head's first-draft logits at every row of ``seq``, from one full target pass (row j: token j + 2)."""
+    with torch.no_grad():
+        res = target(seq, output_hidden_states=True)
+        aux = torch.cat([res.hidden_states[k][0] for k in head.eagle.aux_layer_ids], -1)
+        nxt = torch.zeros_like(seq)
+        nxt[:, :-1] = seq[:, 1:]
+        emb = target.get_input_embeddings().weight
+        out, _, _ = head.layer(F.embedding(nxt, emb), head.fuse(aux[None]), head.rope(torch.arange(seq.shape[1]) + 1))
+        return head.logits(out)[0]
+
+
+# ----------------------------------------------------------------------------- the folder
+def test_config_round_trip_and_speculators_fields():
+    target, _ = tiny_llama_pair(layers=3)
+    cfg = Eagle3Config.for_target(target.config, 32, LAYERS, verifier="tiny")
+    raw = cfg.to_speculators(speculative_tokens=4)
+    assert raw["speculators_model_type"] == "eagle3" and raw["architectures"] == ["Eagle3Speculator"]
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and raw["draft_vocab_size"] == 32
+    assert raw["target_hidden_size"] == target.config.hidden_size
+    assert raw["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    back = Eagle3Config.from_speculators(json.loads(json.dumps(raw)))
+    assert back.to_speculators(4) == raw
+    # speculators' default layers for a 30-layer target: [2, 15, 27]
+    target.config.num_hidden_layers = 30
+    assert Eagle3Config.for_target(target.config, 32).aux_layer_ids == (2, 15, 27)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.update(speculators_model_type="eagle"), "speculators_model_type must be 'eagle3'"),
+        (lambda r: r.pop("transformer_layer_config"), "missing 'transformer_layer_config'"),
+        (lambda r: r["transformer_layer_config"].update(model_type="qwen3"), "not supported"),
+        (lambda r: r["transformer_layer_config"].update(num_hidden_layers=2), "num_hidden_layers must be 1"),
+        (lambda r: r.update(eagle_aux_hidden_state_layer_ids=[-1]), "non-negative integers"),
+        (lambda r: r.update(draft_vocab_size="32"), "'draft_vocab_size' must be"),
+        (lambda r: r["transformer_layer_config"].pop("hidden_size"), "transformer_layer_config.hidden_size"),
+        (lambda r: r.update(target_hidden_size=999), "target_hidden_size 999"),
+    ],
+)
+def test_bad_configs_are_named(tmp_path, edit, message):
+    target, _ = tiny_llama_pair(layers=3)
+    raw = Eagle3Config.for_target(target.config, 32, LAYERS).to_speculators()
+    edit(raw)
+    with pytest.raises(ValueError, match=message):
+        Eagle3Config.from_speculators(raw, "x/config.json")
+
+
+def test_save_load_and_bad_folders(tmp_path):
+    target, _ = tiny_llama_pair(layers=3)
+    cfg = Eagle3Config.for_target(target.config, 32, LAYERS)
+    head = init_head(target, cfg, torch.arange(0, 64, 2))
+    head.save(tmp_path / "h", meta={"note": 1})
+    assert is_eagle3_dir(tmp_path / "h") and not is_eagle3_dir(tmp_path)
+    assert json.loads((tmp_path / "h" / "speckv.json").read_text()) == {"note": 1}
+    back = load_eagle3(tmp_path / "h")
+    assert torch.equal(back.target_ids(), head.target_ids()) and bool(back.t2d[::2].all()) and not back.t2d[1]
+    x = torch.randn(1, 5, cfg.hidden_size)
+    rope = head.rope(torch.arange(5))
+    ref = head.logits(head.layer(x, head.fuse(torch.randn(1, 5, 3 * cfg.hidden_size)), rope)[0])
+    assert ref.shape == (1, 5, 32)
+    with torch.no_grad():  # bf16 storage: the reloaded weights are the saved ones rounded
+        for (k, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+            if a.is_floating_point():
+                assert torch.allclose(a.to(torch.bfloat16).float(), b), k
+    # a missing file, broken JSON, a weight of the wrong shape, a d2t outside the vocabulary: named errors
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_eagle3(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    head.save(bad)
+    (bad / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_eagle3(bad)
+    from safetensors.torch import load_file, save_file
+
+    head.save(bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd["fc.weight"] = sd["fc.weight"][:, :10].contiguous()
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="'fc.weight' has shape"):
+        load_eagle3(bad)
+    sd = load_file(str(tmp_path / "h" / "model.safetensors"))
+    sd["d2t"][-1] = 10_000
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t maps draft ids outside"):
+        load_eagle3(bad)
+    del sd["norm.weight"]
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
+        load_eagle3(bad)
+
+
+# ----------------------------------------------------------------------------- training
+def test_training_time_test_learns_and_the_chain_mask_reads_its_own_rows():
+    """The TTT loss falls on a batch; step 1 of row j depends on rows <= j at step 0 and row j's chain only."""
+    target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=1, layer_scale=0.2)
+    g = torch.Generator().manual_seed(0)
+    corpus = {"ids": [torch.randint(1, 64, (20,), generator=g) for _ in range(6)], "start": [4] * 6}
+    corpus.update(task_type=["t"] * 6, prompt_id=[str(i) for i in range(6)], split=["train"] * 6)
+    cfg = Eagle3Config.for_target(target.config, 64, LAYERS)
+    feats = extract_features(corpus, list(range(6)), target, LAYERS, progress=False)
+    assert feats[0]["aux"].shape == (20, 3 * cfg.hidden_size) and feats[0]["top_ids"].shape[0] == 20 - 4 + 1
+    vocab, coverage = choose_vocabulary(feats, 64)
+    assert coverage == 1.0 and vocab.tolist() == sorted(vocab.tolist())
+    head = init_head(target, cfg, vocab)
+    emb = target.get_input_embeddings().weight.detach()
+    from speckv_policy.hf.eagle3_train import _collate, _slots  # noqa: PLC2701 - the loop's own batch format
+
+    batch = _collate(feats, _slots(head))
+    before = agreement(head, emb, feats)["overall"]
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    first = None
+    for _ in range(80):
+        loss, stats = ttt_forward(head, emb, batch, 3)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first - 1.0 and len(stats) == 3  # soft cross-entropy: its floor is the target entropy
+    assert agreement(head, emb, feats)["overall"] > before + 0.15  # fitted texts: far more first tokens right
+    # step 1's output at row j must not change when a later row's features or tokens change
+    b2 = {k: v.clone() for k, v in batch.items()}
+    b2["aux"][0, 10:] = torch.randn_like(b2["aux"][0, 10:]).to(b2["aux"].dtype)
+    b2["ids"][0, 12:] = 5
+
+    def step1(b):
+        rows = torch.arange(b["ids"].shape[1])
+        hidden = head.fuse(b["aux"])
+        nxt = torch.zeros_like(b["ids"])
+        nxt[:, :-1] = b["ids"][:, 1:]
+        out, k, v = head.layer(F.embedding(nxt, emb), hidden, head.rope(rows + 1))
+        nxt2 = torch.zeros_like(b["ids"])
+        nxt2[:, :-2] = b["ids"][:, 2:]
+        from speckv_policy.hf.eagle3_train import _chain_mask  # noqa: PLC2701
+
+        out2, _, _ = head.layer(F.embedding(nxt2, emb), out, head.rope(rows + 2), (k, v), _chain_mask(len(rows), 1))
+        return out2
+
+    with torch.no_grad():
+        assert torch.allclose(step1(batch)[0, :9], step1(b2)[0, :9], atol=1e-5)
+        assert not torch.allclose(step1(batch)[0, 10:], step1(b2)[0, 10:], atol=1e-3)
+
+
+def test_training_resumes_from_its_checkpoint(tmp_path):
+    target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=1, layer_scale=0.2)
+    g = torch.Generator().manual_seed(0)
+    corpus = {"ids": [torch.randint(1, 64, (16,), generator=g) for _ in range(8)], "start": [3] * 8}
+    corpus.update(task_type=["t"] * 8, prompt_id=[str(i) for i in range(8)], split=["train"] * 8)
+    cfg = Eagle3Config.for_target(target.config, 64, LAYERS)
+    feats = extract_features(corpus, list(range(8)), target, LAYERS, progress=False)
+    emb = target.get_input_embeddings().weight.detach()
+    head = init_head(target, cfg, torch.arange(64))
+    kw = dict(minutes=60.0, checkpoint=tmp_path / "ck.pt", progress=False, tokens_per_batch=64, eval_minutes=60.0)
+    info = train_head(head, emb, feats[2:], feats[:2], max_steps=5, **kw)
+    assert info["steps"] == 5 and (tmp_path / "ck.pt").exists()
+    info = train_head(init_head(target, cfg, torch.arange(64)), emb, feats[2:], feats[:2], max_steps=8, **kw)
+    assert info["steps"] == 8  # three more steps on top of the checkpoint's five
+    assert [h[0] for h in info["history"]] == [5, 8]
+
+
+# ----------------------------------------------------------------------------- drafting
+def test_drafter_reads_the_same_features_as_training():
+    """Catch-up after each verification reproduces the teacher-forced rows exactly (cache kept in step)."""
+    target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=0)
+    head = init_head(target, Eagle3Config.for_target(target.config, 64, LAYERS), torch.arange(64)).eval()
+    seq = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(0))
+    tf = _teacher_forced_logits(target, head, seq)
+    with torch.no_grad():
+        res = target(seq, output_hidden_states=True)
+    aux = torch.cat([res.hidden_states[k][0] for k in LAYERS], -1)
+    d = Eagle3Drafter(head, target.get_input_embeddings().weight.detach(), None, False, None)
+    d.add_features(aux[:10], 0, 10)
+    for cur, kept in ((11, 2), (14, 5), (20, 0)):
+        _, scores = d.draft(seq[:, :cur], 3)
+        assert torch.allclose(scores[0, 0], tf[cur - 2], atol=1e-4)
+        d.add_features(aux[cur - 1 : cur + 3], cur - 1, cur + kept)  # the verification's positions, n kept
+    with pytest.raises(ValueError, match="start at position"):
+        d.add_features(aux[25:], 25, 28)
+
+
+def test_hf_drafts_read_the_verified_features(eagle_pair, monkeypatch):
+    """Inside generate(): every step's first draft token is the head's teacher-forced prediction on the output."""
+    from speckv_policy.hf import eagle3_draft
+
+    target, head = eagle_pair
+    seen = []
+    original = eagle3_draft.Eagle3Drafter.draft
+
+    def spy(self, input_ids, max_new, stop=None):
+        ids, scores = original(self, input_ids, max_new, stop)
+        seen.append((input_ids.shape[1], scores[0, 0].clone()))
+        return ids, scores
+
+    monkeypatch.setattr(eagle3_draft.Eagle3Drafter, "draft", spy)
+    ids = torch.tensor([PROMPTS[0]])
+    with attach(target, 3) as h:
+        out = target.generate(ids, assistant_model=head, max_new_tokens=24, do_sample=False)
+    assert h.draft_loop == "eagle3" and h.stats[0].gamma == 0  # the prefill step drafts nothing
+    tf = _teacher_forced_logits(target, head, out)
+    assert len(seen) == len(h.stats) - 1
+    for cur, s in seen:
+        assert torch.allclose(s[head.target_ids()], tf[cur - 2], atol=1e-4)
+        assert bool(torch.isinf(s[~head.t2d]).all())  # tokens outside the head's vocabulary: never proposed
+
+
+def _cycle(seq):
+    it = iter(seq * 100)
+    return lambda features: next(it)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gammas=st.lists(st.integers(0, 8), min_size=1, max_size=10),
+    mode=st.sampled_from(["upfront", "per-token", "fixed"]),
+    prompt=st.lists(st.integers(1, 63), min_size=1, max_size=10),
+    n_new=st.integers(1, 30),
+)
+def test_greedy_output_is_the_targets_with_the_head(eagle_pair, gammas, mode, prompt, n_new):
+    target, head = eagle_pair
+    ids = torch.tensor([prompt])
+    ref = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+    kw = {} if mode == "fixed" else {"feature_set": "online"}
+    with attach(target, _cycle(gammas), compression="fp32", mode=mode, **kw, settings={"max_gamma": 8}) as h:
+        out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=head)
+    assert torch.equal(out, ref)
+    assert sum(s.accepted + 1 for s in h.stats) == out.shape[1] - ids.shape[1]
+
+
+def test_the_head_is_accepted_on_what_it_learned(eagle_pair):
+    target, head = eagle_pair
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+        with attach(target, 4) as h:
+            out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=head)
+        assert torch.equal(out, ref)
+        assert h.summary()["acceptance"] > 0.15, prompt
+
+
+def test_sampling_with_the_head_keeps_the_target_distribution():
+    """Chi-square over the next two tokens: assisted sampling with a reduced-vocabulary head vs the exact joint."""
+    from scipy.stats import chisquare
+
+    target, _ = tiny_llama_pair(vocab_size=12, hidden_size=32, layers=3, seed=3, init_range=0.15, layer_scale=0.3)
+    head = tiny_eagle3_head(target, LAYERS, draft_vocab_size=10, steps=150)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1].double(), -1)
+        joint = np.stack(
+            [
+                (
+                    p1[a] * torch.softmax(target(torch.cat([ids, torch.tensor([[a]])], 1)).logits[0, -1].double(), -1)
+                ).numpy()
+                for a in range(12)
+            ]
+        )
+    counts = np.zeros((12, 12))
+    rng = np.random.default_rng(0)
+    with attach(target, lambda f: int(rng.integers(1, 4)), compression="fp32", feature_set="online") as h:
+        for i in range(1500):
+            torch.manual_seed(i)
+            out = target.generate(
+                ids, max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, assistant_model=head
+            )
+            counts[out[0, 3], out[0, 4]] += 1
+    drafted = [s for s in h.stats if s.gamma > 0]
+    assert drafted and sum(s.accepted for s in drafted) / sum(s.gamma for s in drafted) > 0.2
+    exp = joint.ravel() * counts.sum()
+    obs = counts.ravel()
+    small = exp < 5
+    p = chisquare(np.append(obs[~small], obs[small].sum()), np.append(exp[~small], exp[small].sum())).pvalue
+    assert p > 0.001
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8-no-outliers"])
+def test_quantized_targets_with_the_head(eagle_pair, tmp_path, kind):
+    """A head trained on the fp32 target's features drafts for its bitsandbytes-quantized copy, losslessly."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    target, head = eagle_pair
+    target.save_pretrained(tmp_path / "t")
+    q = (
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+        if kind == "nf4"
+        else BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=1e9)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quant = AutoModelForCausalLM.from_pretrained(tmp_path / "t", quantization_config=q, device_map="cpu").eval()
+    rng = np.random.default_rng(1)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        ref = quant.generate(ids, max_new_tokens=24, do_sample=False)
+        with attach(quant, lambda f: int(rng.integers(0, 6)), feature_set="online") as h:
+            out = quant.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=head)
+        assert h.compression == kind.split("-")[0] and h.draft_loop == "eagle3"
+        assert torch.equal(out, ref), (kind, prompt)
+
+
+def test_a_target_the_head_cannot_read_decodes_plainly_with_one_warning():
+    target, _ = tiny_llama_pair(vocab_size=64, layers=2, seed=0)
+    other, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=0)
+    head = init_head(other, Eagle3Config.for_target(other.config, 64, LAYERS), torch.arange(64)).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+    with attach(target, 3) as h, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=head)
+    assert torch.equal(out, ref)
+    ours = [w for w in caught if issubclass(w.category, PolicyFallbackWarning)]
+    assert len(ours) == 1 and "reads target layers [0, 1, 2] but the target has 2" in str(ours[0].message)
+    assert all(s.gamma == 0 for s in h.stats) and h.draft_loop.startswith("none (")
+    # the hooks are gone once generate returns: a plain forward runs no capture
+    assert all(not layer._forward_pre_hooks for layer in target.model.layers)  # noqa: SLF001 - torch's hook table
+
+
+def test_hooks_are_removed_after_generate(eagle_pair):
+    target, head = eagle_pair
+    with attach(target, 2):
+        target.generate(torch.tensor([[1, 2]]), max_new_tokens=5, do_sample=False, assistant_model=head)
+    assert all(not layer._forward_pre_hooks for layer in target.model.layers)  # noqa: SLF001 - torch's hook table
+
+
+def test_a_policy_trained_on_another_draft_kind_warns_once(eagle_pair, tmp_path):
+    """An export records what drafted its training steps; the hook warns when it runs with another kind."""
+    from speckv_policy.evaluation.synthetic import generate_synthetic_log
+    from speckv_policy.export import export_onnx
+    from speckv_policy.policies import TablePolicy
+    from speckv_policy.training import fit_from_log
+
+    log, _ = generate_synthetic_log(n_prompts=8, steps_per_prompt=20, seed=0)
+    policy = fit_from_log(TablePolicy(), log)
+    assert policy.draft_kind_ == "model"
+    path = tmp_path / "p.onnx"
+    export_onnx(policy, path)
+    target, head = eagle_pair
+    with attach(target, str(path)), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            target.generate(torch.tensor([[1, 2]]), max_new_tokens=6, do_sample=False, assistant_model=head)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, PolicyFallbackWarning)]
+    assert len(msgs) == 1 and "trained on steps drafted by a draft model" in msgs[0]
+    log["draft_model"] = "eagle3:head"
+    assert fit_from_log(TablePolicy(), log).draft_kind_ == "eagle3"
