@@ -4,7 +4,9 @@
     python benchmarks/results.py --check    # exit 1 if any of them differs from what the runs say
 
 The vLLM race of record, ``benchmarks/runs/vllm_race.json`` (``benchmarks/vllm_race.py --record``), gives the
-"Serving with vLLM" section and its plot, ``docs/vllm_race.png``.
+"Serving with vLLM" section and its plot, ``docs/vllm_race.png``; the race with the EAGLE-3 head,
+``benchmarks/runs/eagle3_race.json`` (a ``benchmarks/e2e.py --draft datasets/smollm2/eagle3`` JSON), the
+"With the EAGLE-3 head" section.
 
 The races of record are listed in ``benchmarks/runs/record.json`` (each one a ``benchmarks/e2e.py --out`` JSON
 with every run it timed). Every figure is recomputed from those runs (medians of paired per-prompt ratios, paired
@@ -118,7 +120,78 @@ def collect(record: dict[str, Any]) -> dict[str, Any]:
         "retired_reports_commit": record["retired_reports_commit"],
         "blocks": ordered,
         "vllm": _vllm_record(),
+        "eagle3": _eagle3_record(),
     }
+
+
+def _eagle3_record() -> dict[str, Any] | None:
+    """The race with the EAGLE-3 head, block by block: the best of our arms against the same head's references."""
+    path = RUNS / "eagle3_race.json"
+    if not path.is_file():
+        return None
+    race = json.loads(path.read_text())
+    summary = summarize_runs(race["runs"], race["arms"])
+    blocks = []
+    for comp, dec in BLOCK_ORDER:
+        cell = summary.get(f"{comp}/{dec}/all")
+        if not cell:
+            continue
+        ours = [a for a in cell["arms"] if _ours(a)]
+        best = max(ours, key=lambda a: cell["arms"][a]["tokens_per_second"])
+        v = cell["arms"][best]
+        blocks.append(
+            {
+                "compression": comp,
+                "decoding": dec,
+                "prompts": cell["runs_per_arm"],
+                "best": best,
+                "best_fixed": cell["best_fixed"],
+                "best_peer": cell["best_peer"],
+                "vs_target": _ci(v, "vs_target"),
+                "vs_best_fixed": _ci(v, "vs_best_fixed"),
+                "vs_best_peer": _ci(v, "vs_best_peer"),
+                "arms": {
+                    a: {k: w[k] for k in ("ms_per_token", "vs_target", "vs_target_ci")} for a, w in cell["arms"].items()
+                },
+            }
+        )
+    return {"command": race["command"], "machine": race["machine"], "blocks": blocks}
+
+
+def eagle3_section(rec: dict[str, Any]) -> list[str]:
+    """The "With the EAGLE-3 head" section: every arm drafting with the head, in one race."""
+    out = [
+        "## With the EAGLE-3 head",
+        "",
+        "Race `benchmarks/runs/eagle3_race.json`: every arm drafts with the EAGLE-3 head `datasets/smollm2/eagle3`",
+        "(one layer reading the target's hidden states, [draft.md](reference/draft.md#the-eagle-3-head)); the policies",
+        "are `exported/smollm2-eagle3-*`, trained on the head's own profile (`datasets/smollm2/steps-eagle3.parquet`).",
+        "Transformers cannot run the head, so Hugging Face's heuristic schedule runs as a rule through the hook",
+        f"(`hf-heuristic`). Machine: {rec['machine']}.",
+        "",
+        f"    {rec['command']}",
+        "",
+        "| target | decoding | best of ours | vs the target alone | vs the best fixed gamma | vs the best peer rule |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in rec["blocks"]:
+        out.append(
+            f"| {b['compression']} | {b['decoding']} | `{b['best']}` | {_fmt(b['vs_target'])} | "
+            f"{_fmt(b['vs_best_fixed'])} ({b['best_fixed']}) | {_fmt(b['vs_best_peer'])} ({b['best_peer']}) |"
+        )
+    out.append("")
+    for b in rec["blocks"]:
+        out += [
+            f"**{b['compression']} {b['decoding']}** ({b['prompts']} prompts):",
+            "",
+            "| arm | ms per token | vs the target alone |",
+            "|---|---|---|",
+        ]
+        for a, v in sorted(b["arms"].items(), key=lambda kv: kv[1]["ms_per_token"]):
+            tag = " (ours)" if _ours(a) else ""
+            out.append(f"| `{a}`{tag} | {v['ms_per_token']:.1f} | {_fmt(_ci(v, 'vs_target'))} |")
+        out.append("")
+    return out
 
 
 def _vllm_record() -> dict[str, Any] | None:
@@ -239,6 +312,8 @@ def results_md(res: dict[str, Any]) -> str:
             tasks = " | ".join(f"{b['tasks'][t].get(a, float('nan')):.2f}x" for t in sorted(b["tasks"]))
             out.append(f"| `{a}`{tag} | {v['ms_per_token']:.1f} | {_fmt(_ci(v, 'vs_target'))} | {tasks} |")
         out.append("")
+    if res.get("eagle3") is not None:
+        out += eagle3_section(res["eagle3"])
     if res.get("vllm") is not None:
         out += vllm_section(res["vllm"])
     out += [
