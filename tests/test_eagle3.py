@@ -249,6 +249,46 @@ def test_hf_drafts_read_the_verified_features(eagle_pair, monkeypatch):
         assert bool(torch.isinf(s[~head.t2d]).all())  # tokens outside the head's vocabulary: never proposed
 
 
+def test_later_draft_tokens_are_the_training_time_test_rows(eagle_pair, monkeypatch):
+    """A second draft token after an accepted first one is exactly TTT step 1's row: the head's own output and the
+    drafted token, attending to the target rows up to the first and its own chain."""
+    from speckv_policy.hf import eagle3_draft
+    from speckv_policy.hf.eagle3_train import _chain_mask  # noqa: PLC2701 - the mask training uses
+
+    target, head = eagle_pair
+    seen = []
+    original = eagle3_draft.Eagle3Drafter.draft
+
+    def spy(self, input_ids, max_new, stop=None):
+        ids, scores = original(self, input_ids, max_new, stop)
+        seen.append((input_ids.shape[1], ids[0].clone(), scores[0].clone()))
+        return ids, scores
+
+    monkeypatch.setattr(eagle3_draft.Eagle3Drafter, "draft", spy)
+    with attach(target, 4):
+        out = target.generate(torch.tensor([PROMPTS[0]]), assistant_model=head, max_new_tokens=30, do_sample=False)
+    seq = out
+    width = seq.shape[1]
+    with torch.no_grad():
+        res = target(seq, output_hidden_states=True)
+        aux = torch.cat([res.hidden_states[k][0] for k in LAYERS], -1)[None]
+        emb = target.get_input_embeddings().weight
+        rows = torch.arange(width)
+        nxt = torch.zeros_like(seq)
+        nxt[:, :-1] = seq[:, 1:]
+        out0, k, v = head.layer(F.embedding(nxt, emb), head.fuse(aux), head.rope(rows + 1))
+        nxt2 = torch.zeros_like(seq)
+        nxt2[:, :-2] = seq[:, 2:]
+        out1, _, _ = head.layer(F.embedding(nxt2, emb), out0, head.rope(rows + 2), (k, v), _chain_mask(width, 1))
+        step1 = head.logits(out1)[0]
+    checked = 0
+    for cur, ids, scores in seen:
+        if scores.shape[0] >= 2 and cur < width and int(ids[cur]) == int(seq[0, cur]):
+            assert torch.allclose(scores[1][head.target_ids()], step1[cur - 2], atol=1e-4)
+            checked += 1
+    assert checked > 0
+
+
 def _cycle(seq):
     it = iter(seq * 100)
     return lambda features: next(it)

@@ -31,15 +31,15 @@ $PY -m speckv_policy.cli.distill copy --corpus "$B/corpus.pt" --draft datasets/s
 # 2b. The EAGLE-3 head (datasets/smollm2/eagle3, the speculators eagle3 format; docs/reference/draft.md): the target
 #     answers the template prompts once more, greedily in fp32 (batches of similar length, ~30 min), then
 #     `speckv-distill eagle3` reads every answer once teacher-forced (the states entering target layers 2, 15, 27 and
-#     the top-16 next-token log-probabilities), picks the 8,192-token vocabulary, trains with training-time test
-#     (3 steps) within the wall-clock budget and measures held-out agreement at fp32 / INT8 / NF4. Features and
+#     the top-16 next-token log-probabilities, ~7 min), picks the 8,192-token vocabulary, trains with training-time
+#     test (2 steps) within the wall-clock budget and measures held-out agreement at fp32 / INT8 / NF4. Features and
 #     checkpoints live in $B/eagle3, so an interrupted build resumes.
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-fp32.pt" \
     --samples 1 --max-new-tokens 128 --batch-size 64 --dtype fp32
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/prompts.jsonl --out "$B/corpus-task-fp32.pt" \
     --samples 1 --max-new-tokens 160 --batch-size 64 --dtype fp32
 $PY -m speckv_policy.cli.distill eagle3 --corpus "$B/corpus-task-fp32.pt,$B/corpus-fp32.pt" \
-    --out datasets/smollm2/eagle3 --work "$B/eagle3" --minutes 35
+    --out datasets/smollm2/eagle3 --work "$B/eagle3" --minutes 33 --lr 2e-3 --ttt-steps 2
 
 # 3. Profile the pair: greedy on every prompt, sampling (T = 0.7) on every third, at fp32 / INT8 / NF4, 48 new
 #    tokens each (the race's length: a shorter profile only knows the answers' first, easier positions) (~33 min).
@@ -67,6 +67,26 @@ for k in gbt mlp table; do
 done
 #    ... and the cost-aware stop rule (per-token acceptance curves, JSON; attach(..., mode="stop")) -> exported/smollm2-stop.json
 .venv/bin/speckv-export --stop-rule exported/smollm2-stop.json --train datasets/smollm2/steps.parquet
+
+# 4b. The same with the EAGLE-3 head: its own profile (greedy on every third prompt, sampling on every sixth; the head
+#     drafts in fp32 here, where bf16 is emulated) and the policies trained on it -> exported/smollm2-eagle3-*
+#     (their exports record speckv.draft_kind = eagle3; the hook warns if one runs with a draft model).
+E=datasets/smollm2/steps-eagle3.parquet
+rm -f "$E"
+for dec in "greedy --stride 3" "sampling --stride 6"; do
+    # shellcheck disable=SC2086
+    .venv/bin/speckv-profile --target smollm2 --draft datasets/smollm2/eagle3 --prompts datasets/prompts/prompts.jsonl \
+        --out "$E" --compressions fp32,int8,nf4 --decodings $dec --max-new-tokens 48 --tag smollm2-eagle3 \
+        --draft-precision fp32
+done
+for k in gbt table; do
+    .venv/bin/speckv-export "exported/smollm2-eagle3-$k.onnx" --train "$E" --policy "$k"
+    .venv/bin/speckv-export "exported/smollm2-eagle3-$k-gated.onnx" --train "$E" --policy "$k" \
+        --feature-set gated --decision-draft-tokens 1 --history-rounds 2
+done
+.venv/bin/speckv-export exported/smollm2-eagle3-gbt-pre.onnx --train "$E" --policy gbt \
+    --feature-set pre --decision-draft-tokens 0 --history-rounds 2
+.venv/bin/speckv-export --stop-rule exported/smollm2-eagle3-stop.json --train "$E"
 
 # 5. Offline evaluation on the held-out prompts (paired bootstrap, seconds) -> docs/eval/
 .venv/bin/speckv-eval

@@ -183,13 +183,13 @@ def _main(argv: list[str] | None = None) -> int:
     h.add_argument("--out", required=True, help="head folder to write (config.json, model.safetensors, speckv.json)")
     h.add_argument("--work", required=True, help="folder for the features and the checkpoint (resumes from it)")
     h.add_argument(
-        "--minutes", type=float_in(0.0, 1e6, low_open=True), default=60.0, help="training time budget (default 60)"
+        "--minutes", type=float_in(0.0, 1e6, low_open=True), default=33.0, help="training time budget (default 33)"
     )
     h.add_argument(
         "--vocab-size", type=int_at_least(2), default=8192, help="tokens of the head's vocabulary (default 8192)"
     )
-    h.add_argument("--ttt-steps", type=int_at_least(1), default=3, help="training-time-test depth (default 3)")
-    h.add_argument("--lr", type=float_in(0.0, 10.0, low_open=True), default=5e-4, help="learning rate (default 5e-4)")
+    h.add_argument("--ttt-steps", type=int_at_least(1), default=2, help="training-time-test depth (default 2)")
+    h.add_argument("--lr", type=float_in(0.0, 10.0, low_open=True), default=2e-3, help="learning rate (default 2e-3)")
     h.add_argument("--fit-prefix", default="gen-", help="fit training prompts whose id starts with this (default gen-)")
     h.add_argument(
         "--compressions", default="fp32,int8,nf4", help="targets to measure held-out agreement on (default all three)"
