@@ -328,7 +328,7 @@ def test_sampling_with_the_head_keeps_the_target_distribution():
     from scipy.stats import chisquare
 
     target, _ = tiny_llama_pair(vocab_size=12, hidden_size=32, layers=3, seed=3, init_range=0.15, layer_scale=0.3)
-    head = tiny_eagle3_head(target, LAYERS, draft_vocab_size=10, steps=150)
+    head = tiny_eagle3_head(target, LAYERS, draft_vocab_size=10, steps=100)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         p1 = torch.softmax(target(ids).logits[0, -1].double(), -1)
@@ -343,7 +343,7 @@ def test_sampling_with_the_head_keeps_the_target_distribution():
     counts = np.zeros((12, 12))
     rng = np.random.default_rng(0)
     with attach(target, lambda f: int(rng.integers(1, 4)), compression="fp32", feature_set="online") as h:
-        for i in range(1500):
+        for i in range(1000):
             torch.manual_seed(i)
             out = target.generate(
                 ids, max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, assistant_model=head
@@ -428,3 +428,23 @@ def test_a_policy_trained_on_another_draft_kind_warns_once(eagle_pair, tmp_path)
     assert len(msgs) == 1 and "trained on steps drafted by a draft model" in msgs[0]
     log["draft_model"] = "eagle3:head"
     assert fit_from_log(TablePolicy(), log).draft_kind_ == "eagle3"
+
+
+def test_model_loading_and_race_arms_know_heads(tmp_path):
+    """``load_model`` on a head folder gives the head (full precision only); a head's race runs HF's rule via the hook."""
+    from pathlib import Path
+
+    from speckv_policy.evaluation.race import HFHeuristicSchedule, make_arms
+    from speckv_policy.hf.models import load_model, model_id
+
+    target, _ = tiny_llama_pair(layers=3)
+    init_head(target, Eagle3Config.for_target(target.config, 32, LAYERS), torch.arange(32)).save(tmp_path / "head")
+    head = load_model(tmp_path / "head", "bf16")
+    assert head.dtype == torch.bfloat16 and model_id(tmp_path / "head") == "eagle3:head"
+    with pytest.raises(ValueError, match="full precision"):
+        load_model(tmp_path / "head", "nf4")
+    arms = {a.name: a for a in make_arms(Path("exported"), "smollm2-", ["hf-heuristic", "fixed-2"], eagle3=True)}
+    assert set(arms) == {"target", "hf-heuristic", "fixed-2"} and not arms["hf-heuristic"].hf
+    assert isinstance(arms["hf-heuristic"].rule("fp32"), HFHeuristicSchedule)
+    with pytest.raises(SystemExit, match="unknown arm"):
+        make_arms(Path("exported"), "smollm2-", ["hf-default"], eagle3=True)
