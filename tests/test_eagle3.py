@@ -219,7 +219,7 @@ def test_drafter_reads_the_same_features_as_training():
     for cur, kept in ((11, 2), (14, 5), (20, 0)):
         _, scores = d.draft(seq[:, :cur], 3)
         assert torch.allclose(scores[0, 0], tf[cur - 2], atol=1e-4)
-        d.add_features(aux[cur - 1 : cur + 3], cur - 1, cur + kept)  # the verification's positions, n kept
+        d.add_features(aux[cur - 1 : cur + 6], cur - 1, cur + kept)  # a gamma-6 verification, n kept
     with pytest.raises(ValueError, match="start at position"):
         d.add_features(aux[25:], 25, 28)
 
