@@ -20,15 +20,11 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
-from transformers.generation.logits_process import LogitsProcessorList
 
 from .eagle3 import Eagle3Head
-from .lean_draft import sample_tokens
+from .lean_draft import StopFn, TokenChooser
 
 __all__ = ["Eagle3Drafter", "TargetFeatureTap", "eagle3_blocker"]
-
-#: ``stop(k, scores, position) -> bool``: called after draft token ``k`` (1-based).
-StopFn = Callable[[int, torch.Tensor, int], bool]
 
 
 def _decoder_layers(target: Any) -> Any:
@@ -130,11 +126,7 @@ class Eagle3Drafter:
     ) -> None:
         self.head = head
         self.embed = embed
-        self.processors = LogitsProcessorList(list(logits_processor or []))
-        self.do_sample = bool(do_sample)
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        self.eos = torch.tensor(eos, dtype=torch.long, device=head.device) if eos else None
-        self.min_length = int(min_length or 0)
+        self.chooser = TokenChooser(logits_processor, do_sample, eos_token_id, min_length, head.device)
         self.vocab = head.eagle.vocab_size
         self.slots = head.target_ids().to(head.device)
         c = head.eagle
@@ -198,15 +190,12 @@ class Eagle3Drafter:
             small = head.logits(out[:, -1]).float()
             logits = small.new_full((1, self.vocab), float("-inf"))
             logits[:, self.slots] = small
-            s = self.processors(ids, logits) if len(self.processors) else logits
-            if self.eos is not None and ids.shape[1] < self.min_length:
-                s[:, self.eos] = -float("inf")
-            tok = sample_tokens(torch.softmax(s, dim=-1)) if self.do_sample else s.argmax(dim=-1, keepdim=True)
+            tok, s = self.chooser.choose(ids, logits)
             ids = torch.cat([ids, tok.to(ids.device)], dim=-1)
             scores.append(s)
             if stop is not None and stop(k, s[0], start + k - 1):
                 break
-            if k == max_new or (self.eos is not None and bool((tok[0, 0] == self.eos).any())):
+            if k == max_new or self.chooser.is_eos(tok):
                 break
             pos = torch.tensor([start + k - 1], device=head.device)
             out = self._step(F.embedding(tok.to(head.device), self.embed), out[:, -1:], pos)

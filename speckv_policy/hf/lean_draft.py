@@ -60,6 +60,41 @@ def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
     return tok
 
 
+class TokenChooser:
+    """How a draft token is picked from its logits, as transformers' draft ``generate`` would.
+
+    The target's logits processors (temperature, top-k, top-p, repetition penalty, ...), end-of-sequence
+    suppressed below ``min_length``, then argmax or an exact sample (:func:`sample_tokens`). Shared by every
+    drafting loop, so the draft distribution handed to speculative sampling is the one tokens were drawn from.
+    """
+
+    def __init__(
+        self,
+        logits_processor: Any,
+        do_sample: bool,
+        eos_token_id: int | list[int] | None,
+        min_length: int,
+        device: Any,
+    ) -> None:
+        self.processors = LogitsProcessorList(list(logits_processor or []))
+        self.do_sample = bool(do_sample)
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+        self.min_length = int(min_length or 0)
+
+    def choose(self, ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token [1, 1], processed scores [1, vocab])`` after context ``ids``; ``logits`` may be changed in place."""
+        s = self.processors(ids, logits) if len(self.processors) else logits
+        if self.eos is not None and ids.shape[1] < self.min_length:
+            s[:, self.eos] = -float("inf")
+        tok = sample_tokens(torch.softmax(s, dim=-1)) if self.do_sample else s.argmax(dim=-1, keepdim=True)
+        return tok, s
+
+    def is_eos(self, tok: torch.Tensor) -> bool:
+        """Whether ``tok`` ends the sequence (drafting stops after it)."""
+        return self.eos is not None and bool((tok[0, 0] == self.eos).any())
+
+
 class LeanDraft:
     """Drafting loop for a decoder-only draft with full-attention dynamic cache layers.
 
@@ -94,11 +129,7 @@ class LeanDraft:
     ) -> None:
         self.model = model
         self.step = decode_step
-        self.processors = LogitsProcessorList(list(logits_processor or []))
-        self.do_sample = bool(do_sample)
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        self.eos = torch.tensor(eos, dtype=torch.long, device=model.device) if eos else None
-        self.min_length = int(min_length or 0)
+        self.chooser = TokenChooser(logits_processor, do_sample, eos_token_id, min_length, model.device)
         self.cache = _compat.new_draft_cache(model) if decode_step is None else None
         self.forward_kwargs: dict[str, Any] = {"use_cache": True}
         if _compat.takes_logits_to_keep(model):
@@ -162,19 +193,13 @@ class LeanDraft:
             self.forwards += 1
             self.fed += feed.shape[1]
             logits = last[:, -1].to(copy=True, dtype=torch.float32)
-            s = self.processors(ids, logits) if len(self.processors) else logits
-            if self.eos is not None and ids.shape[1] < self.min_length:
-                s[:, self.eos] = -float("inf")
-            if self.do_sample:
-                tok = sample_tokens(torch.softmax(s, dim=-1))
-            else:
-                tok = s.argmax(dim=-1, keepdim=True)
+            tok, s = self.chooser.choose(ids, logits)
             self.cached = ids[0]  # every token but the new one is now in the cache
             ids = torch.cat([ids, tok], dim=-1)
             scores.append(s)
             if stop is not None and stop(k, s[0], start + k - 1):
                 break
-            if k == max_new or (self.eos is not None and bool((tok[0, 0] == self.eos).any())):
+            if k == max_new or self.chooser.is_eos(tok):
                 break
             feed = tok
         return ids, torch.stack(scores, dim=1)
