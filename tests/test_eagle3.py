@@ -137,14 +137,19 @@ def test_save_load_and_bad_folders(tmp_path):
 
 
 # ----------------------------------------------------------------------------- training
-def test_training_time_test_learns_and_the_chain_mask_reads_its_own_rows():
-    """The TTT loss falls on a batch; step 1 of row j depends on rows <= j at step 0 and row j's chain only."""
+def _random_texts(n: int, length: int, start: int):
+    """A near-bigram tiny target, its head config and the features of ``n`` random texts (answers from ``start``)."""
     target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=1, layer_scale=0.2)
     g = torch.Generator().manual_seed(0)
-    corpus = {"ids": [torch.randint(1, 64, (20,), generator=g) for _ in range(6)], "start": [4] * 6}
-    corpus.update(task_type=["t"] * 6, prompt_id=[str(i) for i in range(6)], split=["train"] * 6)
+    corpus = {"ids": [torch.randint(1, 64, (length,), generator=g) for _ in range(n)], "start": [start] * n}
+    corpus.update(task_type=["t"] * n, prompt_id=[str(i) for i in range(n)], split=["train"] * n)
     cfg = Eagle3Config.for_target(target.config, 64, LAYERS)
-    feats = extract_features(corpus, list(range(6)), target, LAYERS, progress=False)
+    return target, cfg, extract_features(corpus, list(range(n)), target, LAYERS, progress=False)
+
+
+def test_training_time_test_learns_and_the_chain_mask_reads_its_own_rows():
+    """The TTT loss falls on a batch; step 1 of row j depends on rows <= j at step 0 and row j's chain only."""
+    target, cfg, feats = _random_texts(6, 20, 4)
     assert feats[0]["aux"].shape == (20, 3 * cfg.hidden_size) and feats[0]["top_ids"].shape[0] == 20 - 4 + 1
     vocab, coverage = choose_vocabulary(feats, 64)
     assert coverage == 1.0 and vocab.tolist() == sorted(vocab.tolist())
@@ -188,12 +193,7 @@ def test_training_time_test_learns_and_the_chain_mask_reads_its_own_rows():
 
 
 def test_training_resumes_from_its_checkpoint(tmp_path):
-    target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=1, layer_scale=0.2)
-    g = torch.Generator().manual_seed(0)
-    corpus = {"ids": [torch.randint(1, 64, (16,), generator=g) for _ in range(8)], "start": [3] * 8}
-    corpus.update(task_type=["t"] * 8, prompt_id=[str(i) for i in range(8)], split=["train"] * 8)
-    cfg = Eagle3Config.for_target(target.config, 64, LAYERS)
-    feats = extract_features(corpus, list(range(8)), target, LAYERS, progress=False)
+    target, cfg, feats = _random_texts(8, 16, 3)
     emb = target.get_input_embeddings().weight.detach()
     head = init_head(target, cfg, torch.arange(64))
     kw = dict(minutes=60.0, checkpoint=tmp_path / "ck.pt", progress=False, tokens_per_batch=64, eval_minutes=60.0)
@@ -448,3 +448,13 @@ def test_model_loading_and_race_arms_know_heads(tmp_path):
     assert isinstance(arms["hf-heuristic"].rule("fp32"), HFHeuristicSchedule)
     with pytest.raises(SystemExit, match="unknown arm"):
         make_arms(Path("exported"), "smollm2-", ["hf-default"], eagle3=True)
+
+
+def test_a_corrupt_features_cache_is_named(tmp_path):
+    from speckv_policy.smollm2.eagle3 import _cached_features  # noqa: PLC2701 - the build's cache reader
+
+    bad = tmp_path / "features-fp32.pt"
+    bad.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="features-fp32.pt: not a features file of this build"):
+        _cached_features(bad, {}, [], None, LAYERS, "x", False)
+    assert bad.read_bytes() == b"not a torch file"  # left for the user to inspect, nothing overwritten

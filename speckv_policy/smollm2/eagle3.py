@@ -23,7 +23,12 @@ def _cached_features(
 ) -> list[dict[str, Any]]:
     """Load features from ``path`` (tensors only) or extract them and save them atomically."""
     if path.exists():
-        return torch.load(path, weights_only=True)
+        try:  # weights_only: tensors, lists, strings and numbers; a pickle payload cannot run
+            return torch.load(path, weights_only=True)
+        except Exception as exc:
+            raise ValueError(
+                f"{path}: not a features file of this build ({type(exc).__name__}); delete it to extract again"
+            ) from None
     feats = extract_features(corpus, idx, model, layer_ids, progress=progress, desc=desc, tokens_per_batch=2048)
     tmp = path.with_suffix(".tmp")
     torch.save(feats, tmp)
