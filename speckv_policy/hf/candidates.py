@@ -165,6 +165,11 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self._cur = 0
         self._gamma = 0
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens one step drafts (transformers >= 5.25 sizes recurrent-state recording by it)."""
+        return int(self.controller.max_gamma)
+
     def _give_up(self, why: str) -> None:
         warnings.warn(
             f"speckv-policy: the EAGLE-3 head cannot draft here ({why}); decoding without drafts",
