@@ -33,12 +33,19 @@ def _run_vllm(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200, check=False)
 
 
-def _drive(how: str, policy: str, prompts: int, max_tokens: int, costs: str | None = None) -> dict:
+def _drive(
+    how: str,
+    policy: str,
+    prompts: int,
+    max_tokens: int,
+    costs: str | None = None,
+    draft: str = "datasets/smollm2/draft",
+) -> dict:
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
     target = smollm2_safetensors()  # the HF folder vLLM loads (written once from the shipped GGUF)
     r = _run_vllm(
-        [str(ROOT / "tests" / "vllm_driver.py"), how, str(target), "datasets/smollm2/draft"]
+        [str(ROOT / "tests" / "vllm_driver.py"), how, str(target), draft]
         + [policy, str(prompts), str(max_tokens)]
         + ([costs] if costs else [])
     )
@@ -102,3 +109,32 @@ def test_the_shipped_eagle3_head_is_a_speculators_eagle3_folder(tmp_path):
     assert got["aux_layer_ids"] == meta["aux_layer_ids"] and got["draft_vocab_size"] == meta["draft_vocab_size"]
     assert got["target_hidden_size"] == 576 and got["verifier"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert got["missing"] == ["embed_tokens.weight"] and got["unexpected"] == [] and got["misshapen"] == []
+
+
+def test_vllm_serves_the_shipped_eagle3_head_and_accepts_what_the_hook_accepts():
+    """vLLM's own EAGLE-3 proposer drafts the shipped head: greedy outputs are vLLM's without speculation, and on those
+    same contexts it keeps as many draft tokens per step as the hook keeps with the same head in Hugging Face generate
+    (features read at the same layers, the same d2t map; a misread folder would keep almost none)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speckv_policy.hf import attach, load_eagle3
+    from speckv_policy.smollm2.gguf import smollm2_safetensors
+
+    k, max_tokens = 3, 64
+    out = _drive("offline", str(k), prompts=4, max_tokens=max_tokens, draft="datasets/smollm2/eagle3")
+    for pid, plain, spec in zip(out["prompts"], out["plain"], out["speckv"]):
+        assert spec == plain, pid
+    counts = out["spec"]
+    drafts, accepted = counts["vllm:spec_decode_num_drafts"], counts["vllm:spec_decode_num_accepted_tokens"]
+    assert drafts > 0 and counts["vllm:spec_decode_num_draft_tokens"] == k * drafts and accepted > 0
+
+    target = AutoModelForCausalLM.from_pretrained(smollm2_safetensors(), dtype=torch.float32)
+    head = load_eagle3(ROOT / "datasets" / "smollm2" / "eagle3")
+    with attach(target, k) as handle:
+        for ids, plain in zip(out["prompt_token_ids"], out["plain"]):
+            got = target.generate(torch.tensor([ids]), assistant_model=head, max_new_tokens=max_tokens, do_sample=False)
+            assert got[0, len(ids) :].tolist() == plain
+        steps = [s for s in handle.stats if s.gamma > 0]
+    hook = sum(s.accepted for s in steps) / len(steps)
+    assert abs(accepted / drafts - hook) < 0.15, (accepted / drafts, hook)

@@ -90,6 +90,20 @@ def test_settings_travel_in_the_environment_and_bad_ones_are_named():
         speculative_config("d", 2, max_gamma=0, environ={})
 
 
+def test_an_eagle3_head_goes_to_vllms_own_proposer_at_a_fixed_length():
+    head = str(ROOT / "datasets" / "smollm2" / "eagle3")
+    env: dict[str, str] = {}
+    spec = speculative_config(head, 3, environ=env, draft_loader="speckv_policy.smollm2.models.load_model")
+    assert spec == {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    assert ENV_VAR not in env  # no custom proposer: vLLM drafts the head itself
+    with pytest.raises(ValueError, match="is an EAGLE-3 head: vLLM drafts it with its own .* give an int policy >= 1"):
+        speculative_config(head, GATED, environ=env)
+    with pytest.raises(ValueError, match="give an int policy >= 1 \\(got 0\\)"):
+        speculative_config(head, 0, environ=env)
+    with pytest.raises(ValueError, match="EAGLE-3 head, drafted by vLLM's own proposer: costs, timings do not apply"):
+        speculative_config(head, 2, environ=env, costs="c.json", timings="t.jsonl")
+
+
 def test_a_fixed_gamma_drafts_exactly_that_and_tracks_each_request(pair_dir):
     target, draft = pair_dir
     p = _proposer(draft, 3)

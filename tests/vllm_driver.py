@@ -6,7 +6,8 @@ OpenAI-compatible server started with the speckv proposer, the prompts sent to i
 from ``/metrics``, the server stopped.
 
 Usage: ``python tests/vllm_driver.py offline|server TARGET_FOLDER DRAFT POLICY N_PROMPTS MAX_TOKENS [COSTS]``
-(POLICY: an export, an int gamma or a named rule; COSTS: a cost or batch cost file).
+(POLICY: an export, an int gamma or a named rule; COSTS: a cost or batch cost file). A DRAFT that is an EAGLE-3 head
+folder is drafted by vLLM's own EAGLE-3 proposer at the int POLICY (``speculative_config``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def offline(target: str, spec: dict, prompts, max_tokens: int) -> dict:
     llm = LLM(model=target, **ENGINE, speculative_config=spec, disable_log_stats=False)
     outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     result["speckv"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["prompt_token_ids"] = [list(o.prompt_token_ids) for o in outs]
     result["spec"] = {  # vLLM's own speculation counters: what the proposer drafted and the target kept
         m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")
     }

@@ -35,11 +35,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..atomic import atomic_write_dir
+from ..head_format import EAGLE3_CONFIG, EAGLE3_WEIGHTS, is_eagle3_dir
 
 __all__ = ["EAGLE3_CONFIG", "EAGLE3_WEIGHTS", "Eagle3Config", "Eagle3Head", "is_eagle3_dir", "load_eagle3"]
 
-EAGLE3_CONFIG = "config.json"
-EAGLE3_WEIGHTS = "model.safetensors"
 #: training metadata the project writes beside the speculators files (agreement, corpus, time)
 EAGLE3_META = "speckv.json"
 
@@ -409,17 +408,6 @@ class Eagle3Head(nn.Module):
                 (tmp / EAGLE3_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
         atomic_write_dir(folder, write)
-
-
-def is_eagle3_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a folder holding a speculators ``eagle3`` config."""
-    p = Path(path) / EAGLE3_CONFIG
-    if not p.is_file():
-        return False
-    try:
-        return json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def load_eagle3(

@@ -28,7 +28,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ import numpy as np
 from ..batch_costs import BatchCosts, is_batch_costs_file
 from ..decisions import DECLARED_MODE, DEFAULT_MAX_GAMMA, DecisionMode, PlainDecider, PlainSchedule, make_mode
 from ..features import ContextMatcher, OnlineFeatureState, draft_token_stats_one
+from ..head_format import is_eagle3_dir
 from ..objective import CostModelError
 from ..peers import DynamicSDTable, SGLangStyleSteps
 from ..runtime import PolicyFallbackWarning, PolicyLoadError, RuntimePolicy
@@ -175,13 +176,43 @@ def speculative_config(
     Returns
     -------
     dict
-        ``{"method": "custom_class", "model": "speckv_policy.vllm.SpeckvProposer", "num_speculative_tokens": ...}``.
+        ``{"method": "custom_class", "model": "speckv_policy.vllm.SpeckvProposer", "num_speculative_tokens": ...}``;
+        for an EAGLE-3 head folder (speculators format) and an int ``policy``, vLLM's own EAGLE-3 proposer:
+        ``{"method": "eagle3", "model": draft, "num_speculative_tokens": policy}``.
+
+    Raises
+    ------
+    ValueError
+        For bad settings, and for an EAGLE-3 head with anything but a fixed int ``policy`` >= 1: vLLM drafts such a
+        head with its own proposer, which drafts one fixed length; a policy sizes a head's drafts in Hugging Face
+        ``generate`` (:func:`speckv_policy.hf.attach`).
     """
     if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
         raise ValueError(f"max_gamma must be an int >= 1, got {max_gamma!r}")
+    if is_eagle3_dir(draft):
+        return _eagle3_config(draft, policy, settings)
     s = ProposerSettings(draft=draft, policy=policy, **settings)
     (os.environ if environ is None else environ)[ENV_VAR] = s.to_json()
     return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": int(max_gamma)}
+
+
+#: settings that only say where and how a head is read (vLLM reads it itself), so they do not matter to it
+_HEAD_NEUTRAL = ("draft_loader", "device", "compression", "temperature")
+
+
+def _eagle3_config(draft: str, policy: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's own EAGLE-3 proposer drafting the head folder ``draft`` ``policy`` tokens per step."""
+    if isinstance(policy, bool) or not isinstance(policy, int) or policy < 1:
+        raise ValueError(
+            f"{draft} is an EAGLE-3 head: vLLM drafts it with its own EAGLE-3 proposer, which drafts one fixed "
+            f"length; give an int policy >= 1 (got {policy!r}). A speckv policy sizes a head's drafts in Hugging "
+            "Face generate (speckv_policy.hf.attach)"
+        )
+    defaults = {f.name: f.default for f in fields(ProposerSettings)}
+    other = sorted(k for k, v in settings.items() if k not in _HEAD_NEUTRAL and v != defaults.get(k, v is None))
+    if other:
+        raise ValueError(f"{draft} is an EAGLE-3 head, drafted by vLLM's own proposer: {', '.join(other)} do not apply")
+    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(policy)}
 
 
 def _import(path: str) -> Callable[..., Any]:
