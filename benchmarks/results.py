@@ -120,13 +120,13 @@ def collect(record: dict[str, Any]) -> dict[str, Any]:
         "retired_reports_commit": record["retired_reports_commit"],
         "blocks": ordered,
         "vllm": _vllm_record(),
-        "eagle3": _eagle3_record(),
+        "eagle3": _eagle3_record(record.get("eagle3_race", {})),
     }
 
 
-def _eagle3_record() -> dict[str, Any] | None:
+def _eagle3_record(entry: dict[str, Any]) -> dict[str, Any] | None:
     """The race with the EAGLE-3 head, block by block: the best of our arms against the same head's references."""
-    path = RUNS / "eagle3_race.json"
+    path = RUNS / entry.get("file", "eagle3_race.json")
     if not path.is_file():
         return None
     race = json.loads(path.read_text())
@@ -155,7 +155,13 @@ def _eagle3_record() -> dict[str, Any] | None:
                 },
             }
         )
-    return {"command": race["command"], "machine": race["machine"], "blocks": blocks}
+    return {
+        "command": race["command"],
+        "machine": race["machine"],
+        "date": entry.get("date"),
+        "cpu": entry.get("cpu"),
+        "blocks": blocks,
+    }
 
 
 def eagle3_section(rec: dict[str, Any]) -> list[str]:
@@ -167,7 +173,7 @@ def eagle3_section(rec: dict[str, Any]) -> list[str]:
         "(one layer reading the target's hidden states, [draft.md](reference/draft.md#the-eagle-3-head)); the policies",
         "are `exported/smollm2-eagle3-*`, trained on the head's own profile (`datasets/smollm2/steps-eagle3.parquet`).",
         "Transformers cannot run the head, so Hugging Face's heuristic schedule runs as a rule through the hook",
-        f"(`hf-heuristic`). Machine: {rec['machine']}.",
+        f"(`hf-heuristic`). Run on {rec['date']}; machine: {rec['machine']} ({rec['cpu']}).",
         "",
         f"    {rec['command']}",
         "",
