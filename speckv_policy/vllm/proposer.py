@@ -28,7 +28,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -208,8 +208,9 @@ def _eagle3_config(draft: str, policy: Any, settings: dict[str, Any]) -> dict[st
             f"length; give an int policy >= 1 (got {policy!r}). A speckv policy sizes a head's drafts in Hugging "
             "Face generate (speckv_policy.hf.attach)"
         )
-    defaults = {f.name: f.default for f in fields(ProposerSettings)}
-    other = sorted(k for k, v in settings.items() if k not in _HEAD_NEUTRAL and v != defaults.get(k, v is None))
+    given = ProposerSettings(draft=draft, policy=policy, **settings)  # the same checks as any draft's settings
+    plain = ProposerSettings(draft=draft, policy=policy)
+    other = sorted(k for k in settings if k not in _HEAD_NEUTRAL and getattr(given, k) != getattr(plain, k))
     if other:
         raise ValueError(f"{draft} is an EAGLE-3 head, drafted by vLLM's own proposer: {', '.join(other)} do not apply")
     return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(policy)}
