@@ -23,6 +23,7 @@ from speckv_policy.hf.eagle3_train import (
     train_head,
     ttt_forward,
 )
+from speckv_policy.hf.onednn import fused_linear_available, use_onednn_linear
 from speckv_policy.runtime import PolicyFallbackWarning
 from speckv_policy.testing import tiny_eagle3_head, tiny_llama_pair
 
@@ -310,6 +311,25 @@ def test_greedy_output_is_the_targets_with_the_head(eagle_pair, gammas, mode, pr
         out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=head)
     assert torch.equal(out, ref)
     assert sum(s.accepted + 1 for s in h.stats) == out.shape[1] - ids.shape[1]
+
+
+@pytest.mark.skipif(not fused_linear_available(), reason="no oneDNN fused linear in this torch build")
+def test_a_head_on_onednn_layers_drafts_as_before(eagle_pair):
+    """``--draft-linear onednn`` on a head (its linear layers swapped): same drafts, the target's output."""
+    import copy
+
+    target, head = eagle_pair
+    converted = copy.deepcopy(head)
+    assert use_onednn_linear(converted) == 9  # fc, q/k/v/o, gate/up/down, lm_head: every linear layer
+    assert (converted.device, converted.dtype) == (head.device, head.dtype)
+    ids = torch.tensor([PROMPTS[0]])
+    runs = []
+    for h_model in (head, converted):
+        with attach(target, 4) as h:
+            out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=h_model)
+        runs.append((out, [(s.gamma, s.drafted, s.accepted) for s in h.stats]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    assert torch.equal(runs[0][0], target.generate(ids, max_new_tokens=24, do_sample=False))
 
 
 def test_the_head_is_accepted_on_what_it_learned(eagle_pair):

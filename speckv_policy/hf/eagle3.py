@@ -295,13 +295,13 @@ class Eagle3Head(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        """Where the head's weights are."""
-        return self.fc.weight.device
+        """Where the head's weights are (read from a norm weight: linear layers may be swapped for oneDNN's)."""
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
         """The head's weights' dtype."""
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype
 
     def set_vocabulary(self, target_ids: torch.Tensor) -> None:
         """Cover ``target_ids`` (sorted ascending, distinct): fills ``d2t`` (offsets) and ``t2d`` (a mask)."""
