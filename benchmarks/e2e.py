@@ -29,6 +29,7 @@ from speckv_policy.cli.common import (
 )
 from speckv_policy.evaluation.race import (
     OURS_PREFIXES,
+    beside_arms,
     make_arms,
     markdown,
     plot,
@@ -64,6 +65,7 @@ def _block_goals(s: dict[str, Any], ours: list[str], comp: str, dec: str) -> lis
         ("HF default", "vs_hf_default", 1.15),
         (f"the best peer rule ({cell.get('best_peer')})", "vs_best_peer", 1.05),
         ("target alone", "vs_target", 1.00),
+        (f"the best arm on the beside draft ({cell.get('best_beside')})", "vs_beside", 1.00),
     ):
         if v.get(key) is not None:
             out.append(_goal_line(f"{comp} {dec}, best of ours ({best}) vs {label}", v, key, goal))
@@ -120,6 +122,36 @@ def _csv(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
+def _calibrate(args: argparse.Namespace, draft: str, out: str, prompts: list[Any]) -> dict[str, Any]:
+    """Calibrate this machine for ``draft`` with the race's settings (``speckv-calibrate``), save to ``out``."""
+    from speckv_policy.hf.calibrate import CalibrationConfig, calibrate
+    from speckv_policy.smollm2.models import SMOLLM2_MODELS
+
+    cal = CalibrationConfig(
+        target=args.target,
+        draft=draft,
+        compressions=_csv(args.compressions),
+        seconds=args.calibrate,
+        device=args.device,
+        seed=args.seed,
+        draft_precision=args.draft_precision,
+        target_linear=args.target_linear,
+        draft_linear=args.draft_linear,
+    )
+    cost, steps = calibrate(cal, prompts, models=SMOLLM2_MODELS)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    cost.save(out)
+    print(f"calibrated this machine for {draft} ({len(steps)} steps) -> {out}:\n  " + "\n  ".join(cost.describe()))
+    return {
+        "file": out,
+        "draft": draft,
+        "seconds": args.calibrate,
+        "steps": len(steps),
+        "cost_model": cost.to_dict(),
+        "describe": cost.describe(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2", help="target model folder, or smollm2 (default)")
@@ -171,6 +203,26 @@ def main(argv: list[str] | None = None) -> int:
         help="step log whose training split gives the vLLM-style arm its cold-start acceptance",
     )
     ap.add_argument(
+        "--beside-draft",
+        default=None,
+        metavar="DIR",
+        help="a second draft whose --beside-arms race in the same run, named TAG:ARM (TAG: the folder's name), "
+        "e.g. the distilled draft's best arm beside every arm on an EAGLE-3 head",
+    )
+    ap.add_argument(
+        "--beside-arms",
+        default="gbt-gated-repriced",
+        help="comma-separated arms run with --beside-draft (default gbt-gated-repriced)",
+    )
+    ap.add_argument(
+        "--beside-prefix", default="smollm2-", help="file name prefix of --beside-draft's exports (default smollm2-)"
+    )
+    ap.add_argument(
+        "--beside-costs-out",
+        default="out/e2e_beside_costs.json",
+        help="where the calibration of --beside-draft is written (default out/e2e_beside_costs.json)",
+    )
+    ap.add_argument(
         "--render",
         metavar="JSON",
         default=None,
@@ -194,35 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             picked += [p for p in held if p.task_type == task][: args.per_task]
         costs = args.costs
         calibration = None
+        train = [p for p in read_prompts(args.prompts) if p.split == "train"] or held
         if costs is None and args.calibrate > 0:
-            from speckv_policy.hf.calibrate import CalibrationConfig, calibrate
-
-            cal = CalibrationConfig(
-                target=args.target,
-                draft=args.draft,
-                compressions=_csv(args.compressions),
-                seconds=args.calibrate,
-                device=args.device,
-                seed=args.seed,
-                draft_precision=args.draft_precision,
-                target_linear=args.target_linear,
-                draft_linear=args.draft_linear,
-            )
-            train = [p for p in read_prompts(args.prompts) if p.split == "train"] or held
-            cost, steps = calibrate(cal, train, models=SMOLLM2_MODELS)
-            Path(args.costs_out).parent.mkdir(parents=True, exist_ok=True)
-            cost.save(args.costs_out)
+            calibration = _calibrate(args, args.draft, args.costs_out, train)
             costs = args.costs_out
-            calibration = {
-                "file": args.costs_out,
-                "seconds": args.calibrate,
-                "steps": len(steps),
-                "cost_model": cost.to_dict(),
-                "describe": cost.describe(),
-            }
-            print(
-                f"calibrated this machine ({len(steps)} steps) -> {args.costs_out}:\n  " + "\n  ".join(cost.describe())
-            )
         peer_log = read_log(args.peer_log)
         peer_costs = CostModel.load(costs) if costs else CostModel.fit(peer_log)  # no probe: decided before drafting
         arms = make_arms(
@@ -234,6 +261,20 @@ def main(argv: list[str] | None = None) -> int:
             peer_costs=replace(peer_costs, decision_draft_tokens=0),
             eagle3=is_eagle3_dir(args.draft),
         )
+        beside_calibration = None
+        if args.beside_draft:
+            if args.calibrate <= 0:
+                ap.error("--beside-draft races re-priced arms: it needs the race's calibration (--calibrate > 0)")
+            beside_calibration = _calibrate(args, args.beside_draft, args.beside_costs_out, train)
+            names = list(_csv(args.beside_arms))
+            more = make_arms(
+                Path(args.policy_dir),
+                args.beside_prefix,
+                names,
+                costs=args.beside_costs_out,
+                eagle3=is_eagle3_dir(args.beside_draft),
+            )
+            arms += beside_arms(more, Path(args.beside_draft).name)
         cfg = RaceConfig(
             target=args.target,
             draft=args.draft,
@@ -247,11 +288,14 @@ def main(argv: list[str] | None = None) -> int:
             draft_precision=args.draft_precision,
             target_linear=args.target_linear,
             draft_linear=args.draft_linear,
+            beside_draft=args.beside_draft,
         )
         result = run_race(cfg, arms, picked, models=SMOLLM2_MODELS)
         result["goals"] = goals(result)
         result["config"]["per_task"] = args.per_task
         result["calibration"] = calibration or ({"file": costs} if costs else None)
+        if beside_calibration is not None:
+            result["beside_calibration"] = beside_calibration
         result["command"] = "python benchmarks/e2e.py " + " ".join(
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
         )

@@ -150,6 +150,8 @@ def _eagle3_record(entry: dict[str, Any]) -> dict[str, Any] | None:
                 "vs_target": _ci(v, "vs_target"),
                 "vs_best_fixed": _ci(v, "vs_best_fixed"),
                 "vs_best_peer": _ci(v, "vs_best_peer"),
+                "best_beside": cell.get("best_beside"),
+                "vs_beside": _ci(v, "vs_beside") if cell.get("best_beside") else None,
                 "arms": {
                     a: {k: w[k] for k in ("ms_per_token", "vs_target", "vs_target_ci")} for a, w in cell["arms"].items()
                 },
@@ -177,14 +179,30 @@ def eagle3_section(rec: dict[str, Any]) -> list[str]:
         "",
         f"    {rec['command']}",
         "",
-        "| target | decoding | best of ours | vs the target alone | vs the best fixed gamma | vs the best peer rule |",
-        "|---|---|---|---|---|---|",
+    ]
+    beside = any(b.get("best_beside") for b in rec["blocks"])
+    if beside:
+        out += [
+            "Beside them, in the same run, the distilled draft's arms (`draft:...`: `datasets/smollm2/draft` with its",
+            "own exports, re-priced by its own calibration): the last column compares the head's best arm with the",
+            "fastest of them.",
+            "",
+        ]
+    head = (
+        "| target | decoding | best of ours | vs the target alone | vs the best fixed gamma | vs the best peer rule |"
+    )
+    out += [
+        head + (" vs the distilled draft |" if beside else ""),
+        "|---|---|---|---|---|---|" + ("---|" if beside else ""),
     ]
     for b in rec["blocks"]:
-        out.append(
+        row = (
             f"| {b['compression']} | {b['decoding']} | `{b['best']}` | {_fmt(b['vs_target'])} | "
             f"{_fmt(b['vs_best_fixed'])} ({b['best_fixed']}) | {_fmt(b['vs_best_peer'])} ({b['best_peer']}) |"
         )
+        if beside:
+            row += f" {_fmt(b['vs_beside'])} (`{b['best_beside']}`) |" if b.get("best_beside") else " - |"
+        out.append(row)
     out.append("")
     for b in rec["blocks"]:
         out += [

@@ -160,6 +160,40 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     assert res["mismatches"] == []
 
 
+def test_a_second_draft_races_beside_in_the_same_run(tiny_setup):
+    """--beside-draft: its arms run interleaved with the race's own, named TAG:ARM, calibrated for their draft."""
+    import shutil
+
+    d, target, draft = tiny_setup
+    twin = d / "twin"
+    if not twin.exists():
+        shutil.copytree(draft, twin)
+    args = ["--target", str(target), "--draft", str(draft), "--prompts", str(d / "prompts.jsonl"), "--per-task", "1"]
+    args += ["--compressions", "fp32", "--decodings", "greedy", "--max-new-tokens", "6", "--policy-prefix"]
+    args += ["synthetic-", "--calibrate", "2", "--costs-out", str(d / "c1.json"), "--arms", "fixed-2,gbt-repriced"]
+    args += ["--beside-draft", str(twin), "--beside-prefix", "synthetic-", "--beside-arms", "gbt-repriced,fixed-4"]
+    args += ["--beside-costs-out", str(d / "c2.json"), "--out", str(d / "b.json"), "--plot", str(d / "b.png")]
+    args += ["--doc", str(d / "b.md")]
+    assert run_e2e(args) == 0
+    res = json.loads((d / "b.json").read_text())
+    assert res["arms"] == ["target", "fixed-2", "gbt-repriced", "twin:fixed-4", "twin:gbt-repriced"]
+    assert res["config"]["beside_draft"].endswith("twin")
+    assert res["beside_calibration"]["file"] == str(d / "c2.json") and (d / "c2.json").is_file()
+    assert res["beside_calibration"]["draft"] == str(twin) and res["beside_calibration"]["steps"] > 0
+    runs = [r for r in res["runs"] if r["arm"] == "twin:fixed-4"]
+    assert len(runs) == 2 and all(max(r["step_gamma"]) == 4 for r in runs)  # ran, with its own rule
+    assert res["mismatches"] == []
+    cell = res["summary"]["fp32/greedy/all"]
+    assert cell["best_fixed"] == "fixed-2"  # a beside arm is a reference of its own, not a fixed or peer arm
+    assert cell["best_beside"] in {"twin:fixed-4", "twin:gbt-repriced"}
+    assert cell["arms"][cell["best_beside"]]["vs_beside"] == pytest.approx(1.0)
+    assert "vs_beside" in cell["arms"]["gbt-repriced"]
+    goals = [g for g in res["goals"] if "beside draft" in g]
+    assert goals and goals[0].startswith("fp32 greedy, best of ours (gbt-repriced) vs the best arm on the beside")
+    with pytest.raises(ValueError, match="tag must be non-empty"):
+        race.beside_arms([race.ArmSpec("fixed-2")], "a:b")
+
+
 def test_adaedl_rule():
     from speckv_policy.schema import ONLINE
 

@@ -43,7 +43,10 @@ rotates from prompt to prompt so no arm always runs first):
   ``*-gated.onnx``: a pre-draft gate, then a length head after the probe (``attach(..., mode="gated")``); both also
   ``*-repriced`` by the calibration when there is one; ``stop`` (and ``stop-repriced``, and ``stop-live``: its
   prices re-estimated after every step, kept across a block's prompts) where it holds ``stop.json``: the
-  cost-aware stop rule (``attach(..., mode="stop")``, :mod:`speckv_policy.stop`).
+  cost-aware stop rule (``attach(..., mode="stop")``, :mod:`speckv_policy.stop`);
+* ``tag:arm`` (``benchmarks/e2e.py --beside-draft``): an arm run with a second draft in the same race, e.g. the
+  best arm on the distilled draft beside every arm on an EAGLE-3 head; each block's ``vs_beside`` compares with the
+  fastest of them (:func:`beside_arms`).
 
 Every greedy output is compared with the target's own greedy output for the same prompt;
 any difference is reported (and makes the exit status 1). Results: medians of time per output
@@ -53,7 +56,7 @@ repeat (so drift cancels). Writes JSON, a plot, and the e2e section of docs/desi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +183,25 @@ class ArmSpec:
     backoff: int = 0
     costs: Any = None  # attach(..., costs=): a calibration file or CostModel (re-priced), "live", or None
     rule: Any = None  # a history rule deciding before drafting: callable(compression) -> object with gamma/observe
+    beside: bool = False  # drafts with the race's second draft (RaceConfig.beside_draft), named "tag:arm"
+
+
+#: Separates a draft's tag from an arm's name: ``draft:gbt-gated-repriced`` is that arm run with the second draft a
+#: race carries beside its own (the best arm on another draft, raced in the same run for reference).
+BESIDE_SEP = ":"
+
+
+def beside_arms(arms: list[ArmSpec], tag: str) -> list[ArmSpec]:
+    """``arms`` (from :func:`make_arms` for a second draft, the target left out) renamed ``tag:name``, run beside.
+
+    Raises
+    ------
+    ValueError
+        If ``tag`` is empty or holds the separator.
+    """
+    if not tag or BESIDE_SEP in tag:
+        raise ValueError(f"a beside draft's tag must be non-empty and hold no {BESIDE_SEP!r}, got {tag!r}")
+    return [replace(a, name=f"{tag}{BESIDE_SEP}{a.name}", beside=True) for a in arms if a.name != "target"]
 
 
 def make_arms(
@@ -417,8 +439,12 @@ def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any
             best_fixed = min(fixed, key=lambda a: med[a]) if fixed else None
             peers = [a for a in med if a in PEER_RULES]
             best_peer = min(peers, key=lambda a: med[a]) if peers else None
+            besides = [a for a in med if BESIDE_SEP in a]
+            best_beside = min(besides, key=lambda a: med[a]) if besides else None
 
             cell = {"runs_per_arm": len(pairs), "best_fixed": best_fixed, "best_peer": best_peer, "arms": {}}
+            if best_beside is not None:
+                cell["best_beside"] = best_beside
             for a in med:
                 dec_s = sum(by[p + (a,)]["decision_s"] for p in pairs if p + (a,) in by)
                 tot_s = sum(by[p + (a,)]["seconds"] for p in pairs if p + (a,) in by)
@@ -429,6 +455,7 @@ def summarize_runs(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any
                     ("vs_best_fixed", best_fixed),
                     ("vs_hf_default", "hf-default"),
                     ("vs_best_peer", best_peer),
+                    *((("vs_beside", best_beside),) if best_beside is not None else ()),
                 ):
                     rng = np.random.default_rng(0)  # the same resamples for every arm and reference
                     entry[key], entry[key + "_ci"] = _ratio_and_ci(_paired_ratios(by, pairs, med, a, ref), rng)

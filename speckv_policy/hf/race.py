@@ -43,6 +43,8 @@ class RaceConfig:
     draft_precision: str = "auto"
     target_linear: str = "default"
     draft_linear: str = "default"
+    #: a second draft for the arms marked ``beside`` (the best arm on another draft, raced in the same run), or None
+    beside_draft: str | None = None
 
 
 def run_once(
@@ -194,9 +196,17 @@ def run_race(
     torch.set_num_threads(os.cpu_count() or 1)
     tok = models.load_tokenizer(cfg.target)
     pad = getattr(tok, "eos_token_id", None)
-    draft = models.load_model(cfg.draft, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
-    apply_linear_backend(draft, cfg.draft_linear, dtypes=ONEDNN_DTYPES)
-    draft.generation_config.pad_token_id = None
+    if any(a.beside for a in arms) and cfg.beside_draft is None:
+        raise ValueError(f"arms {[a.name for a in arms if a.beside]} run with a beside draft; the config names none")
+    drafts = {}
+    for key, folder in (("race", cfg.draft), ("beside", cfg.beside_draft)):
+        if folder is None:
+            continue
+        d = models.load_model(folder, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
+        apply_linear_backend(d, cfg.draft_linear, dtypes=ONEDNN_DTYPES)
+        d.generation_config.pad_token_id = None
+        drafts[key] = d
+    draft = drafts["race"]
     why = decode_step_blocker(draft)  # the hook's draft_forward='auto' decides the same way
     draft_forward = "fast" if why is None else f"transformers ({why})"
     on_cuda = cfg.device.startswith("cuda")
@@ -231,7 +241,9 @@ def run_race(
             )
             warm = encode(prompts[0])
             for a in arms:  # warm-up (untimed): first-call costs, HF's adaptive state gets a first update
-                run_once(a, states[a.name], target, draft, warm, seed=cfg.seed, **common)
+                run_once(
+                    a, states[a.name], target, drafts["beside" if a.beside else "race"], warm, seed=cfg.seed, **common
+                )
             for rep in range(cfg.repeats):
                 for i, p in enumerate(prompts):
                     ids = encode(p)
@@ -239,7 +251,8 @@ def run_race(
                     order = arms[i % len(arms) :] + arms[: i % len(arms)]
                     block = []
                     for a in order:
-                        r = run_once(a, states[a.name], target, draft, ids, seed=seed, **common)
+                        d = drafts["beside" if a.beside else "race"]
+                        r = run_once(a, states[a.name], target, d, ids, seed=seed, **common)
                         r.update(
                             arm=a.name,
                             prompt_id=p.id,
@@ -261,6 +274,7 @@ def run_race(
         "config": {
             "target": models.model_id(cfg.target),
             "draft": models.model_id(cfg.draft),
+            **({"beside_draft": models.model_id(cfg.beside_draft)} if cfg.beside_draft else {}),
             "draft_precision": draft_precision(cfg.device, cfg.draft_precision),
             "target_linear": cfg.target_linear,
             "draft_linear": cfg.draft_linear,
