@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from speckv_policy.atomic import atomic_write_text
-from speckv_policy.evaluation.race import PEER_RULES, summarize_runs
+from speckv_policy.evaluation.race import BESIDE_SEP, PEER_RULES, summarize_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "runs"
@@ -54,7 +54,8 @@ def short_machine(line: str, note: str | None = None) -> str:
 
 
 def _ours(arm: str) -> bool:
-    return arm != "target" and not arm.startswith("fixed-") and arm not in PEER_RULES
+    """Our arm on the race's own draft (not the target, a fixed gamma, a peer rule or an arm on a beside draft)."""
+    return arm != "target" and not arm.startswith("fixed-") and arm not in PEER_RULES and BESIDE_SEP not in arm
 
 
 def _file_of(arm: str) -> str:
@@ -171,7 +172,8 @@ def eagle3_section(rec: dict[str, Any]) -> list[str]:
     out = [
         "## With the EAGLE-3 head",
         "",
-        "Race `benchmarks/runs/eagle3_race.json`: every arm drafts with the EAGLE-3 head `datasets/smollm2/eagle3`",
+        "Race `benchmarks/runs/eagle3_race.json`: our arms, the fixed gammas and the peer rules draft with the EAGLE-3 head"
+        " `datasets/smollm2/eagle3`",
         "(one layer reading the target's hidden states, [draft.md](reference/draft.md#the-eagle-3-head)); the policies",
         "are `exported/smollm2-eagle3-*`, trained on the head's own profile (`datasets/smollm2/steps-eagle3.parquet`).",
         "Transformers cannot run the head, so Hugging Face's heuristic schedule runs as a rule through the hook",
@@ -212,7 +214,7 @@ def eagle3_section(rec: dict[str, Any]) -> list[str]:
             "|---|---|---|",
         ]
         for a, v in sorted(b["arms"].items(), key=lambda kv: kv[1]["ms_per_token"]):
-            tag = " (ours)" if _ours(a) else ""
+            tag = " (ours)" if _ours(a) else " (the distilled draft)" if BESIDE_SEP in a else ""
             out.append(f"| `{a}`{tag} | {v['ms_per_token']:.1f} | {_fmt(_ci(v, 'vs_target'))} |")
         out.append("")
     return out
