@@ -28,6 +28,7 @@ from speckv_policy.cli.common import (
     int_at_least,
 )
 from speckv_policy.evaluation.race import (
+    BESIDE_SEP,
     OURS_PREFIXES,
     beside_arms,
     make_arms,
@@ -122,22 +123,25 @@ def _csv(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
+def _shared_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the race and its calibrations share (the same target, levels, device, seed and precisions)."""
+    return {
+        "target": args.target,
+        "compressions": _csv(args.compressions),
+        "device": args.device,
+        "seed": args.seed,
+        "draft_precision": args.draft_precision,
+        "target_linear": args.target_linear,
+        "draft_linear": args.draft_linear,
+    }
+
+
 def _calibrate(args: argparse.Namespace, draft: str, out: str, prompts: list[Any]) -> dict[str, Any]:
     """Calibrate this machine for ``draft`` with the race's settings (``speckv-calibrate``), save to ``out``."""
     from speckv_policy.hf.calibrate import CalibrationConfig, calibrate
     from speckv_policy.smollm2.models import SMOLLM2_MODELS
 
-    cal = CalibrationConfig(
-        target=args.target,
-        draft=draft,
-        compressions=_csv(args.compressions),
-        seconds=args.calibrate,
-        device=args.device,
-        seed=args.seed,
-        draft_precision=args.draft_precision,
-        target_linear=args.target_linear,
-        draft_linear=args.draft_linear,
-    )
+    cal = CalibrationConfig(draft=draft, seconds=args.calibrate, **_shared_settings(args))
     cost, steps = calibrate(cal, prompts, models=SMOLLM2_MODELS)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     cost.save(out)
@@ -229,6 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         help="no runs: recompute the summary, goals, plot and doc section from a saved --out JSON",
     )
     args = ap.parse_args(argv)
+    if args.beside_draft and not args.render:  # checked before anything runs, not after the race's calibration
+        if not os.path.isdir(args.beside_draft):
+            ap.error(f"--beside-draft: draft folder not found: {args.beside_draft}")
+        if BESIDE_SEP in Path(args.beside_draft).name:
+            ap.error(
+                f"--beside-draft: its folder name tags its arms and must hold no {BESIDE_SEP!r}: {args.beside_draft}"
+            )
+        if args.calibrate <= 0:
+            ap.error("--beside-draft races its arms re-priced by a calibration of its own: it needs --calibrate > 0")
     if args.render:
         result = json.loads(Path(args.render).read_text())
         result["summary"] = summarize_runs(result["runs"], result["arms"])
@@ -263,8 +276,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         beside_calibration = None
         if args.beside_draft:
-            if args.calibrate <= 0:
-                ap.error("--beside-draft races re-priced arms: it needs the race's calibration (--calibrate > 0)")
             beside_calibration = _calibrate(args, args.beside_draft, args.beside_costs_out, train)
             names = list(_csv(args.beside_arms))
             more = make_arms(
@@ -276,19 +287,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             arms += beside_arms(more, Path(args.beside_draft).name)
         cfg = RaceConfig(
-            target=args.target,
             draft=args.draft,
-            compressions=_csv(args.compressions),
             decodings=_csv(args.decodings),
             temperature=args.temperature,
             max_new_tokens=args.max_new_tokens,
             repeats=args.repeats,
-            device=args.device,
-            seed=args.seed,
-            draft_precision=args.draft_precision,
-            target_linear=args.target_linear,
-            draft_linear=args.draft_linear,
             beside_draft=args.beside_draft,
+            **_shared_settings(args),
         )
         result = run_race(cfg, arms, picked, models=SMOLLM2_MODELS)
         result["goals"] = goals(result)

@@ -192,6 +192,19 @@ def test_a_second_draft_races_beside_in_the_same_run(tiny_setup):
     assert goals and goals[0].startswith("fp32 greedy, best of ours (gbt-repriced) vs the best arm on the beside")
     with pytest.raises(ValueError, match="tag must be non-empty"):
         race.beside_arms([race.ArmSpec("fixed-2")], "a:b")
+    # bad --beside-draft settings are refused before anything runs (no calibration first), naming what is wrong
+    for extra, message in (
+        (["--beside-draft", str(d / "missing")], f"draft folder not found: {d / 'missing'}"),
+        (["--beside-draft", str(twin), "--calibrate", "0"], "it needs --calibrate > 0"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *args[:-2], *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and message in proc.stderr and "calibrated" not in proc.stdout
 
 
 def test_adaedl_rule():

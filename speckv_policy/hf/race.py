@@ -207,6 +207,10 @@ def run_race(
         d.generation_config.pad_token_id = None
         drafts[key] = d
     draft = drafts["race"]
+
+    def draft_of(arm: ArmSpec) -> Any:
+        return drafts["beside" if arm.beside else "race"]
+
     why = decode_step_blocker(draft)  # the hook's draft_forward='auto' decides the same way
     draft_forward = "fast" if why is None else f"transformers ({why})"
     on_cuda = cfg.device.startswith("cuda")
@@ -241,9 +245,7 @@ def run_race(
             )
             warm = encode(prompts[0])
             for a in arms:  # warm-up (untimed): first-call costs, HF's adaptive state gets a first update
-                run_once(
-                    a, states[a.name], target, drafts["beside" if a.beside else "race"], warm, seed=cfg.seed, **common
-                )
+                run_once(a, states[a.name], target, draft_of(a), warm, seed=cfg.seed, **common)
             for rep in range(cfg.repeats):
                 for i, p in enumerate(prompts):
                     ids = encode(p)
@@ -251,8 +253,7 @@ def run_race(
                     order = arms[i % len(arms) :] + arms[: i % len(arms)]
                     block = []
                     for a in order:
-                        d = drafts["beside" if a.beside else "race"]
-                        r = run_once(a, states[a.name], target, d, ids, seed=seed, **common)
+                        r = run_once(a, states[a.name], target, draft_of(a), ids, seed=seed, **common)
                         r.update(
                             arm=a.name,
                             prompt_id=p.id,
