@@ -478,3 +478,15 @@ def test_a_corrupt_features_cache_is_named(tmp_path):
     with pytest.raises(ValueError, match="features-fp32.pt: not a features file of this build"):
         _cached_features(bad, {}, [], None, LAYERS, "x", False)
     assert bad.read_bytes() == b"not a torch file"  # left for the user to inspect, nothing overwritten
+
+
+def test_a_features_cache_of_another_corpus_is_refused(tmp_path):
+    from speckv_policy.smollm2.eagle3 import _cached_features  # noqa: PLC2701 - the build's cache reader
+
+    ids = [torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([4, 5], dtype=torch.int32)]
+    path = tmp_path / "features-fp32.pt"
+    torch.save([{"ids": ids[0].long()}, {"ids": ids[1].long()}], path)
+    assert len(_cached_features(path, {"ids": ids}, [0, 1], None, LAYERS, "x", False)) == 2
+    for corpus, idx in (({"ids": ids}, [0]), ({"ids": [ids[0], torch.tensor([4, 6])]}, [0, 1])):
+        with pytest.raises(ValueError, match="corpus changed since they were extracted"):
+            _cached_features(path, corpus, idx, None, LAYERS, "x", False)

@@ -21,14 +21,23 @@ from ..hf.eagle3_train import agreement, choose_vocabulary, extract_features, in
 def _cached_features(
     path: Path, corpus: dict, idx: list[int], model: Any, layer_ids: tuple[int, ...], desc: str, progress: bool
 ) -> list[dict[str, Any]]:
-    """Load features from ``path`` (tensors only) or extract them and save them atomically."""
+    """Load features from ``path`` (tensors only; checked against the corpus' texts) or extract and save them."""
     if path.exists():
         try:  # weights_only: tensors, lists, strings and numbers; a pickle payload cannot run
-            return torch.load(path, weights_only=True)
+            feats = torch.load(path, weights_only=True)
         except Exception as exc:
             raise ValueError(
                 f"{path}: not a features file of this build ({type(exc).__name__}); delete it to extract again"
             ) from None
+        stale = len(feats) != len(idx) or any(
+            not torch.equal(f["ids"], corpus["ids"][i].long()) for f, i in zip(feats, idx)
+        )
+        if stale:
+            raise ValueError(
+                f"{path}: its {len(feats)} texts are not the corpus' {len(idx)} (the corpus changed since they were "
+                "extracted); delete it or use another --work folder"
+            )
+        return feats
     feats = extract_features(corpus, idx, model, layer_ids, progress=progress, desc=desc, tokens_per_batch=2048)
     tmp = path.with_suffix(".tmp")
     torch.save(feats, tmp)
