@@ -29,16 +29,19 @@ $PY -m speckv_policy.cli.distill train --corpus "$B/corpus.pt,$B/corpus3.pt" --f
 $PY -m speckv_policy.cli.distill copy --corpus "$B/corpus.pt" --draft datasets/smollm2/draft
 
 # 2b. The EAGLE-3 head (datasets/smollm2/eagle3, the speculators eagle3 format; docs/reference/draft.md): the target
-#     answers the template prompts once more, greedily in fp32 (batches of similar length, ~30 min), then
-#     `speckv-distill eagle3` reads every answer once teacher-forced (the states entering target layers 2, 15, 27 and
-#     the top-16 next-token log-probabilities, ~7 min), picks the 8,192-token vocabulary, trains with training-time
-#     test (2 steps) within the wall-clock budget and measures held-out agreement at fp32 / INT8 / NF4. Features and
-#     checkpoints live in $B/eagle3, so an interrupted build resumes.
+#     answers the template prompts once more, greedily in fp32 (batches of similar length, ~30 min), and twice
+#     sampled at T = 0.8 in bf16 (~27 min); then `speckv-distill eagle3` reads every answer once teacher-forced in
+#     fp32 (the states entering target layers 2, 15, 27 and the top-16 next-token log-probabilities, ~20 min),
+#     picks the 8,192-token vocabulary, trains with training-time test (2 steps) within the wall-clock budget and
+#     measures held-out agreement at fp32 / INT8 / NF4. Features and checkpoints live in $B/eagle3, so an
+#     interrupted build resumes.
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-fp32.pt" \
     --samples 1 --max-new-tokens 128 --batch-size 64 --dtype fp32
+$PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-sampled.pt" \
+    --samples 2 --sampled-only --max-new-tokens 160 --batch-size 16 --seed 3
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/prompts.jsonl --out "$B/corpus-task-fp32.pt" \
     --samples 1 --max-new-tokens 160 --batch-size 64 --dtype fp32
-$PY -m speckv_policy.cli.distill eagle3 --corpus "$B/corpus-task-fp32.pt,$B/corpus-fp32.pt" \
+$PY -m speckv_policy.cli.distill eagle3 --corpus "$B/corpus-task-fp32.pt,$B/corpus-fp32.pt,$B/corpus-sampled.pt" \
     --out datasets/smollm2/eagle3 --work "$B/eagle3" --minutes 33 --lr 2e-3 --ttt-steps 2
 
 # 3. Profile the pair: greedy on every prompt, sampling (T = 0.7) on every third, at fp32 / INT8 / NF4, 48 new
