@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import numpy as np
@@ -487,6 +488,14 @@ def test_a_features_cache_of_another_corpus_is_refused(tmp_path):
     path = tmp_path / "features-fp32.pt"
     torch.save([{"ids": ids[0].long()}, {"ids": ids[1].long()}], path)
     assert len(_cached_features(path, {"ids": ids}, [0, 1], None, LAYERS, "x", False)) == 2
-    for corpus, idx in (({"ids": ids}, [0]), ({"ids": [ids[0], torch.tensor([4, 6])]}, [0, 1])):
-        with pytest.raises(ValueError, match="corpus changed since they were extracted"):
+    cases = (
+        ({"ids": ids}, [0], "it holds 2 texts where the corpus asks for 1"),
+        ({"ids": [ids[0], torch.tensor([4, 6])]}, [0, 1], "its text 1 has other token ids than the corpus' text 1"),
+    )
+    for corpus, idx, why in cases:
+        with pytest.raises(ValueError, match=re.escape(why) + r" \(the corpus changed since they were extracted\)"):
             _cached_features(path, corpus, idx, None, LAYERS, "x", False)
+    for other in ({"ids": ids}, [{"aux": ids[0]}], [{"ids": [1, 2, 3]}]):  # loads, but is not this build's list
+        torch.save(other, path)
+        with pytest.raises(ValueError, match="not a features file of this build .expected a list of texts"):
+            _cached_features(path, {"ids": ids}, [0, 1], None, LAYERS, "x", False)

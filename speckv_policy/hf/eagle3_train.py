@@ -27,6 +27,8 @@ The loop (the speculators trainer expects an accelerator):
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import sys
 import time
@@ -40,6 +42,29 @@ from torch.nn import functional as F
 from .eagle3 import Eagle3Config, Eagle3Head
 
 TOPK = 16
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl, Windows)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def _release_freed_heap() -> None:
+    """Hand the pages glibc keeps after ``free`` back to the system (a no-op off glibc).
+
+    Each feature batch allocates and frees hundreds of megabytes of logits and hidden states between the small
+    tensors it keeps; glibc keeps the freed pages of such a heap. Over the 2,844 texts of the SmolLM2 build the
+    process peaked at 18.7 GB resident for 1.7 GB of features; trimming after each batch, at 5.7 GB.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 # ----------------------------------------------------------------------------- features
@@ -101,6 +126,8 @@ def extract_features(
                 "prompt_id": corpus["prompt_id"][c],
                 "split": corpus["split"][c],
             }
+        del res, aux, logits
+        _release_freed_heap()
         bar.update(len(chunk))
         i = j
     bar.close()

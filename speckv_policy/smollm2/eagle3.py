@@ -29,13 +29,25 @@ def _cached_features(
             raise ValueError(
                 f"{path}: not a features file of this build ({type(exc).__name__}); delete it to extract again"
             ) from None
-        stale = len(feats) != len(idx) or any(
-            not torch.equal(f["ids"], corpus["ids"][i].long()) for f, i in zip(feats, idx)
-        )
+        if not isinstance(feats, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("ids"), torch.Tensor) for f in feats
+        ):
+            raise ValueError(
+                f"{path}: not a features file of this build (expected a list of texts, each with its token 'ids'); "
+                "delete it to extract again"
+            )
+        if len(feats) != len(idx):
+            stale = f"it holds {len(feats)} texts where the corpus asks for {len(idx)}"
+        else:
+            k = next(
+                (k for k, (f, i) in enumerate(zip(feats, idx)) if not torch.equal(f["ids"], corpus["ids"][i].long())),
+                None,
+            )
+            stale = None if k is None else f"its text {k} has other token ids than the corpus' text {idx[k]}"
         if stale:
             raise ValueError(
-                f"{path}: its {len(feats)} texts are not the corpus' {len(idx)} (the corpus changed since they were "
-                "extracted); delete it or use another --work folder"
+                f"{path}: {stale} (the corpus changed since they were extracted); delete it or use another --work "
+                "folder"
             )
         return feats
     feats = extract_features(corpus, idx, model, layer_ids, progress=progress, desc=desc, tokens_per_batch=2048)
