@@ -34,8 +34,7 @@ $PY -m speckv_policy.cli.distill copy --corpus "$B/corpus.pt" --draft datasets/s
 #     fp32 (the states entering target layers 2, 15, 27 and the top-16 next-token log-probabilities, ~20 min),
 #     picks the 8,192-token vocabulary, trains with training-time test (2 steps) within the wall-clock budget and
 #     measures held-out agreement at fp32 / INT8 / NF4 (peak ~6 GB resident). Features and checkpoints live in
-#     $B/eagle3, so an
-#     interrupted build resumes.
+#     $B/eagle3, so an interrupted build resumes.
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-fp32.pt" \
     --samples 1 --max-new-tokens 128 --batch-size 64 --dtype fp32
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-sampled.pt" \
