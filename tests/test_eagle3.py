@@ -508,7 +508,7 @@ def test_feature_extraction_finds_glibc_malloc_trim_where_it_runs_on_glibc():
 
     trim = _malloc_trim()
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        assert trim is not None  # without it the build keeps ~3x its features' memory (see extract_features)
+        assert trim is not None  # without it the SmolLM2 build peaked at 18.7 GB instead of 5.7 GB
         assert trim(0) in (0, 1)
-    else:
-        assert trim is None or callable(trim)
+    else:  # macOS, Windows, musl: nothing to call, and extraction must not try
+        assert trim is None
