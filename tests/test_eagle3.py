@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from speckv_policy.hf import attach
-from speckv_policy.hf.eagle3 import Eagle3Config, is_eagle3_dir, load_eagle3
+from speckv_policy.hf.eagle3 import Eagle3Config, Eagle3Head, is_eagle3_dir, load_eagle3
 from speckv_policy.hf.eagle3_draft import Eagle3Drafter
 from speckv_policy.hf.eagle3_train import (
     agreement,
@@ -83,6 +84,8 @@ def test_config_round_trip_and_speculators_fields():
         (lambda r: r.update(draft_vocab_size="32"), "'draft_vocab_size' must be"),
         (lambda r: r["transformer_layer_config"].pop("hidden_size"), "transformer_layer_config.hidden_size"),
         (lambda r: r.update(target_hidden_size=999), "target_hidden_size 999"),
+        (lambda r: r.update(norm_output="yes"), "'norm_output' must be true or false"),
+        (lambda r: r.update(norm_before_fc=True, fc_norm=True), "'norm_before_fc' and 'fc_norm' exclude each other"),
     ],
 )
 def test_bad_configs_are_named(tmp_path, edit, message):
@@ -136,6 +139,71 @@ def test_save_load_and_bad_folders(tmp_path):
     save_file(sd, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
         load_eagle3(bad)
+
+
+def _head_with_options(head, gen, own_embedding=None, **options):
+    """``head``'s weights in a head with speculators' ``options`` set, their norms random; ``own_embedding`` carried."""
+    cfg = dataclasses.replace(head.eagle, **options)
+    other = Eagle3Head(cfg, own_embedding=own_embedding is not None)
+    missing, unexpected = other.load_state_dict(head.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith(("input_norm", "fc_norm", "embed_tokens")) for k in missing)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if name.startswith(("input_norm", "fc_norm")):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+        if own_embedding is not None:
+            other.embed_tokens.weight.copy_(own_embedding)
+    return other.eval()
+
+
+def test_speculators_head_options_are_read_written_and_computed(tmp_path):
+    """norm_before_fc / fc_norm / norm_output and a carried embedding: written only when set, read back, applied
+    where speculators applies them (tests/test_vllm.py checks the numbers against speculators' own model)."""
+    target, _ = tiny_llama_pair(layers=3)
+    cfg = Eagle3Config.for_target(target.config, 32, LAYERS)
+    assert not {"norm_before_fc", "fc_norm", "norm_output"} & set(cfg.to_speculators())  # the shipped file's keys
+    gen = torch.Generator().manual_seed(0)
+    base = init_head(target, cfg, torch.arange(0, 64, 2))
+    emb = target.get_input_embeddings().weight.detach()
+    aux, out = torch.randn(2, 3 * cfg.hidden_size, generator=gen), torch.randn(2, cfg.hidden_size, generator=gen)
+    for options in ({"norm_before_fc": True}, {"fc_norm": True, "norm_output": True}):
+        head = _head_with_options(base, gen, **options)
+        head.save(tmp_path / "h")
+        raw = json.loads((tmp_path / "h" / "config.json").read_text())
+        assert all(raw[k] is True for k in options)
+        back = load_eagle3(tmp_path / "h")
+        assert dataclasses.replace(back.eagle, extra_layer_config={}) == head.eagle
+        assert torch.allclose(back.fuse(aux), head.to(torch.bfloat16).float().fuse(aux), atol=1e-4)
+        assert not torch.allclose(back.fuse(aux), base.fuse(aux), atol=1e-2)  # the norm is applied
+        if options.get("norm_output"):
+            assert torch.allclose(back.next_hidden(out), F.rms_norm(out, (cfg.hidden_size,), back.norm.weight, 1e-5))
+        else:
+            assert back.next_hidden(out) is out
+    # a carried embedding: kept by the loader; used where it differs from the target's, dropped where equal
+    head = _head_with_options(base, gen, own_embedding=emb + 1.0)
+    head.save(tmp_path / "e")
+    back = load_eagle3(tmp_path / "e")
+    assert torch.equal(back.input_embedding(emb), (emb + 1.0).to(torch.bfloat16).float())
+    assert back.embed_tokens is not None
+    same = _head_with_options(base, gen, own_embedding=emb)
+    assert same.input_embedding(emb) is emb and same.embed_tokens is None
+
+
+def test_a_full_vocabulary_head_may_ship_no_vocabulary_maps(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target, _ = tiny_llama_pair(layers=3)
+    vocab = target.config.vocab_size
+    for size in (vocab, 32):
+        head = init_head(target, Eagle3Config.for_target(target.config, size, LAYERS), torch.arange(size))
+        head.save(tmp_path / str(size))
+        sd = load_file(str(tmp_path / str(size) / "model.safetensors"))
+        del sd["d2t"], sd["t2d"]
+        save_file(sd, str(tmp_path / str(size) / "model.safetensors"))
+    back = load_eagle3(tmp_path / str(vocab))
+    assert torch.equal(back.target_ids(), torch.arange(vocab)) and bool(back.t2d.all())
+    with pytest.raises(ValueError, match=r"missing \['d2t', 't2d'\]"):
+        load_eagle3(tmp_path / "32")
 
 
 # ----------------------------------------------------------------------------- training
@@ -312,6 +380,24 @@ def test_greedy_output_is_the_targets_with_the_head(eagle_pair, gammas, mode, pr
         out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=head)
     assert torch.equal(out, ref)
     assert sum(s.accepted + 1 for s in h.stats) == out.shape[1] - ids.shape[1]
+
+
+@pytest.mark.parametrize(
+    "options", [{"norm_before_fc": True}, {"fc_norm": True, "norm_output": True, "norm_before_residual": True}]
+)
+def test_heads_with_speculators_options_and_their_own_embedding_keep_the_targets_output(eagle_pair, options):
+    """A third-party head's options change what it drafts, never what generate returns (greedy and sampled)."""
+    target, trained = eagle_pair
+    gen = torch.Generator().manual_seed(1)
+    emb = target.get_input_embeddings().weight.detach()
+    head = _head_with_options(trained, gen, own_embedding=emb + 0.1 * torch.randn(emb.shape, generator=gen), **options)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+        with attach(target, 4, compression="fp32") as h:
+            out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=head)
+        assert torch.equal(out, ref)
+        assert any(s.gamma > 0 for s in h.stats) and head.embed_tokens is not None  # drafted, with its own embedding
 
 
 @pytest.mark.skipif(not fused_linear_available(), reason="no oneDNN fused linear in this torch build")

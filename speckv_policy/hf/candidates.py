@@ -148,7 +148,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         if why is None:
             self.tap = TargetFeatureTap(target, head.eagle.aux_layer_ids)
             taps.append(self.tap)
-            embed = target.get_input_embeddings().weight.detach()
+            embed = head.input_embedding(target.get_input_embeddings().weight.detach())
             self.drafter = Eagle3Drafter(
                 head,
                 embed.to(head.device),

@@ -61,6 +61,13 @@ class Eagle3Config:
         As in the target.
     norm_before_residual : bool
         Whether the residual is the normalised hidden half (speculators' option; False by default).
+    norm_before_fc : bool
+        One RMSNorm (``input_norm``) over the concatenated target states before ``fc`` (speculators' gpt-oss option).
+    fc_norm : bool
+        One RMSNorm per target state (``fc_norm.{i}``) before ``fc``; exclusive with ``norm_before_fc``.
+    norm_output : bool
+        Later draft tokens read the layer's output after the final ``norm`` (speculators' "Eagle 3.1" option), not
+        before it.
     verifier : str
         The target's name (``speculators_config.verifier.name_or_path``).
     extra_layer_config : dict
@@ -78,6 +85,9 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     verifier: str = ""
     verifier_architectures: tuple[str, ...] = ("LlamaForCausalLM",)
     extra_layer_config: dict[str, Any] = field(default_factory=dict)
@@ -129,6 +139,7 @@ class Eagle3Config:
                 "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
             }
         )
+        options = {k: True for k in ("norm_before_fc", "fc_norm", "norm_output") if getattr(self, k)}
         return {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
@@ -136,6 +147,7 @@ class Eagle3Config:
             "transformer_layer_config": layer,
             "draft_vocab_size": self.draft_vocab_size,
             "norm_before_residual": self.norm_before_residual,
+            **options,
             "target_hidden_size": self.hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "torch_dtype": "bfloat16",
@@ -192,6 +204,14 @@ class Eagle3Config:
         if target_hidden != hidden:
             raise ValueError(f"{source}: target_hidden_size {target_hidden} != hidden_size {hidden} is not supported")
         verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
+        flags = {}
+        for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+            flag = raw.get(name, False)
+            if not isinstance(flag, bool):
+                raise ValueError(f"{source}: '{name}' must be true or false, got {flag!r}")
+            flags[name] = flag
+        if flags["norm_before_fc"] and flags["fc_norm"]:
+            raise ValueError(f"{source}: 'norm_before_fc' and 'fc_norm' exclude each other (speculators' rule)")
         known = {
             "hidden_size",
             "intermediate_size",
@@ -214,7 +234,7 @@ class Eagle3Config:
             aux_layer_ids=tuple(ids),
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-5)),
             rope_theta=theta,
-            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            **flags,
             verifier=str(verifier),
             extra_layer_config={k: v for k, v in layer.items() if k not in known},
         )
@@ -240,16 +260,18 @@ class Eagle3Head(nn.Module):
     ----------
     config : Eagle3Config
         The head's shape.
+    own_embedding : bool, default=False
+        Whether the head carries an input embedding (``embed_tokens``, as speculators saves one); without one,
+        drafting reads the target's (:meth:`input_embedding`).
 
     Notes
     -----
     ``self.config`` is a ``transformers.LlamaConfig`` view (vocabulary size,
     ``is_encoder_decoder``) so that ``generate(..., assistant_model=head)``
-    accepts it; :attr:`eagle` is the :class:`Eagle3Config`. The head has no
-    input embedding of its own: drafting reads the target's.
+    accepts it; :attr:`eagle` is the :class:`Eagle3Config`.
     """
 
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: Eagle3Config, *, own_embedding: bool = False) -> None:
         super().__init__()
         from transformers import GenerationConfig, LlamaConfig
 
@@ -288,6 +310,17 @@ class Eagle3Head(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(h))
         self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        if c.norm_before_fc:
+            self.input_norm = nn.Module()
+            self.input_norm.weight = nn.Parameter(torch.ones(n_aux * h))
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList()
+            for _ in range(n_aux):
+                norm = nn.Module()
+                norm.weight = nn.Parameter(torch.ones(h))
+                self.fc_norm.append(norm)
+        #: the head's own input embedding, or None (drafting reads the target's; see :meth:`input_embedding`)
+        self.embed_tokens = nn.Embedding(c.vocab_size, h) if own_embedding else None
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         #: rotary frequencies, float32 whatever the weights' dtype (not a buffer, so ``.to(dtype)`` leaves it)
@@ -319,8 +352,39 @@ class Eagle3Head(nn.Module):
         return torch.arange(self.eagle.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """Project the concatenated target states ``[..., n_aux * hidden]`` to ``[..., hidden]``."""
-        return self.fc(aux.to(self.dtype))
+        """Project the concatenated target states ``[..., n_aux * hidden]`` to ``[..., hidden]`` (after the
+        config's ``norm_before_fc`` or ``fc_norm``, if any)."""
+        c = self.eagle
+        x = aux.to(self.dtype)
+        if c.norm_before_fc:
+            x = _rms_norm(x, self.input_norm.weight, c.rms_norm_eps)
+        elif c.fc_norm:
+            parts = x.chunk(len(c.aux_layer_ids), dim=-1)
+            x = torch.cat([_rms_norm(p, n.weight, c.rms_norm_eps) for p, n in zip(parts, self.fc_norm)], dim=-1)
+        return self.fc(x)
+
+    def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next draft token reads in place of the target's features: the layer output ``out`` (after the
+        final norm where the config says ``norm_output``)."""
+        if self.eagle.norm_output:
+            return _rms_norm(out, self.norm.weight, self.eagle.rms_norm_eps)
+        return out
+
+    def input_embedding(self, target_embedding: torch.Tensor) -> torch.Tensor:
+        """The embedding matrix drafting reads: the head's own where it carries one that differs from the target's
+        (as vLLM does), else ``target_embedding``.
+
+        A carried copy equal to the target's (speculators saves the verifier's frozen embedding) is dropped here,
+        so the head holds no second copy after the first generation.
+        """
+        own = self.embed_tokens
+        if own is None:
+            return target_embedding
+        w = own.weight.detach()
+        if w.shape == target_embedding.shape and torch.equal(w.to(target_embedding), target_embedding):
+            self.embed_tokens = None
+            return target_embedding
+        return w
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` (``[T]`` or ``[B, T]``), shaped to broadcast over heads."""
@@ -434,12 +498,16 @@ def load_eagle3(
         raw = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    head = Eagle3Head(Eagle3Config.from_speculators(raw, str(cfg_path)))
+    cfg = Eagle3Config.from_speculators(raw, str(cfg_path))
     try:
         sd = load_file(str(w_path))
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{w_path}: not a readable safetensors file ({e})") from None
-    sd.pop("embed_tokens.weight", None)  # some exports carry the target's embedding; the head uses the target's own
+    head = Eagle3Head(cfg, own_embedding="embed_tokens.weight" in sd)
+    if "d2t" not in sd and "t2d" not in sd and cfg.draft_vocab_size == cfg.vocab_size:
+        # a full-vocabulary head may ship no vocabulary maps (vLLM reads it so): draft id i is target id i
+        sd["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        sd["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
     own = head.state_dict()
     missing = sorted(set(own) - set(sd))
     extra = sorted(set(sd) - set(own))

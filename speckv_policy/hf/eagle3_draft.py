@@ -104,7 +104,7 @@ class Eagle3Drafter:
     head : Eagle3Head
         The draft head.
     embed : torch.Tensor
-        The target's input embedding matrix ``[vocab, hidden]``.
+        The input embedding matrix ``[vocab, hidden]`` the head reads (:meth:`Eagle3Head.input_embedding`).
     logits_processor : list of LogitsProcessor
         Applied to each draft token's (full-vocabulary) logits, as transformers would.
     do_sample : bool
@@ -198,7 +198,7 @@ class Eagle3Drafter:
             if k == max_new or self.chooser.is_eos(tok):
                 break
             pos = torch.tensor([start + k - 1], device=head.device)
-            out = self._step(F.embedding(tok.to(head.device), self.embed), out[:, -1:], pos)
+            out = self._step(F.embedding(tok.to(head.device), self.embed), head.next_hidden(out[:, -1:]), pos)
         return ids, torch.stack(scores, dim=1)
 
     def _step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

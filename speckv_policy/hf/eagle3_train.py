@@ -258,7 +258,7 @@ def ttt_forward(
         hit = (pred == greedy) & valid
         stats.append((int(hit.sum()), n))
         alive = alive & (pred == greedy)
-        hidden = out
+        hidden = head.next_hidden(out)
     return total, stats
 
 
