@@ -1,9 +1,9 @@
 """Run by vLLM's environment (tests/test_vllm.py): speckv's EAGLE-3 head computes what speculators' own model computes.
 
 For each of speculators' head options (``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``, a
-trained input embedding) it builds speculators' ``Eagle3DraftModel`` with random weights, saves it with speculators'
+trained input embedding, Llama-3's and YaRN's rotary scaling) it builds speculators' ``Eagle3DraftModel`` with random weights, saves it with speculators'
 own ``save_pretrained``, loads that folder with :func:`speckv_policy.hf.eagle3.load_eagle3`, and runs both on the same
-random target states and tokens for three training-time-test steps (the first draft token, then two read from the
+random target states and tokens, at positions from 3001, for three training-time-test steps (the first draft token, then two read from the
 head's own output, teacher-forced, as speculators' forward does). Prints ``RESULT {json}``: per option, the largest
 absolute logit difference of each step and whether the argmax tokens agree. Run from outside the repository: its
 ``datasets/`` folder would shadow the ``datasets`` package speculators imports.
@@ -30,7 +30,13 @@ VARIANTS = {
     "norm_before_fc": {"norm_before_fc": True},
     "fc_norm+norm_output": {"fc_norm": True, "norm_output": True},
     "trained_embedding": {"embed_requires_grad": True},
-}
+    "llama3_rope": {"rope": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
+    "yarn_rope": {"rope": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 1024}},
+}  # fmt: skip
+#: the first row's position: far enough that a scaled rotary type turns its slow frequencies measurably
+FIRST_POSITION = 3001
 STEPS, WIDTH, VOCAB, DRAFT_VOCAB = 3, 12, 300, 100
 
 
@@ -41,7 +47,10 @@ def speculators_head(folder: Path, options: dict, gen: torch.Generator) -> Eagle
         vocab_size=VOCAB, rms_norm_eps=1e-6,
     )  # fmt: skip
     raw = Eagle3Config.for_target(target, DRAFT_VOCAB, (1, 3, 4), verifier="tiny").to_speculators()
-    raw.update(options)
+    rope = options.get("rope")
+    raw.update({k: v for k, v in options.items() if k != "rope"})
+    if rope is not None:
+        raw["transformer_layer_config"].update(rope_parameters=rope, max_position_embeddings=4096)
     spec = folder / "spec"
     spec.mkdir()
     (spec / "config.json").write_text(json.dumps(raw))
@@ -71,7 +80,9 @@ def compare(options: dict, seed: int) -> dict:
     captured: list[torch.Tensor] = []
     hook = theirs.lm_head.register_forward_hook(lambda _m, _a, out: captured.append(out.detach()))
     with torch.no_grad():
-        theirs(hidden_states=aux, input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=STEPS)
+        positions = FIRST_POSITION + torch.arange(WIDTH)[None]
+        theirs(hidden_states=aux, input_ids=ids, document_ids=torch.zeros_like(ids), position_ids=positions,
+               ttt_steps=STEPS)  # fmt: skip
     hook.remove()
     # the target's embedding differs from a trained one: the head must read its own where it carries one
     target_embedding = torch.randn(VOCAB, 64, generator=gen)
@@ -87,7 +98,7 @@ def compare(options: dict, seed: int) -> dict:
             tokens = torch.cat([ids[:, s:], ids.new_zeros(1, s)], dim=1)  # speculators' teacher forcing
             past = None if s == 0 else (torch.cat(keys, dim=2), torch.cat(values, dim=2))
             mask = None if s == 0 else torch.cat([causal] + [torch.eye(WIDTH, dtype=torch.bool)] * s, dim=1)
-            out, k, v = ours.layer(F.embedding(tokens, embed), hidden, ours.rope(rows + 1 + s), past, mask)
+            out, k, v = ours.layer(F.embedding(tokens, embed), hidden, ours.rope(rows + FIRST_POSITION + s), past, mask)
             keys.append(k)
             values.append(v)
             logits = ours.logits(out)

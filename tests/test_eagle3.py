@@ -189,6 +189,32 @@ def test_speculators_head_options_are_read_written_and_computed(tmp_path):
     assert same.input_embedding(emb) is emb and same.embed_tokens is None
 
 
+def test_rotary_scaling_is_read_from_the_target_or_the_folder_and_applied():
+    """A Llama-3.1-style target's rotary scaling goes into the head's config (as speculators copies the verifier's),
+    legacy ``rope_scaling`` / ``rope_theta`` read the same, and types that change with the length are refused."""
+    target, _ = tiny_llama_pair(layers=3)
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    target.config.rope_parameters = dict(llama3)
+    cfg = Eagle3Config.for_target(target.config, 32, LAYERS)
+    assert cfg.rope_parameters == llama3 and cfg.rope_theta == 500000.0
+    raw = cfg.to_speculators()
+    assert raw["transformer_layer_config"]["rope_parameters"] == llama3
+    assert Eagle3Config.from_speculators(raw).rope_parameters == llama3
+    legacy = json.loads(json.dumps(raw))
+    layer = legacy["transformer_layer_config"]
+    del layer["rope_parameters"]
+    layer.update(rope_theta=500000.0, rope_scaling={k: v for k, v in llama3.items() if k != "rope_theta"})
+    assert Eagle3Config.from_speculators(legacy).rope_parameters == llama3
+    head, plain = Eagle3Head(cfg), Eagle3Head(dataclasses.replace(cfg, rope_parameters=None))
+    assert not torch.allclose(head.inv_freq, plain.inv_freq) and torch.equal(head.inv_freq[0], plain.inv_freq[0])
+    yarn = Eagle3Head(dataclasses.replace(cfg, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}))
+    assert yarn.rope_scaling > 1.0 and yarn.rope(torch.arange(3))[0].abs().max() > 1.0
+    layer["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        Eagle3Config.from_speculators(legacy, "x/config.json")
+
+
 def test_a_full_vocabulary_head_may_ship_no_vocabulary_maps(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -59,6 +59,9 @@ class Eagle3Config:
         Target layers whose input states the head reads (``hidden_states[k]``), low to high.
     rms_norm_eps, rope_theta : float
         As in the target.
+    rope_parameters : dict or None
+        The target's rotary scaling where it has one (transformers' ``rope_parameters``: ``rope_type`` ``linear``,
+        ``llama3`` or ``yarn`` with its factors, ``rope_theta`` included); None for plain RoPE at ``rope_theta``.
     norm_before_residual : bool
         Whether the residual is the normalised hidden half (speculators' option; False by default).
     norm_before_fc : bool
@@ -84,6 +87,7 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...]
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_parameters: dict[str, Any] | None = None
     norm_before_residual: bool = False
     norm_before_fc: bool = False
     fc_norm: bool = False
@@ -99,8 +103,11 @@ class Eagle3Config:
         """The head shape for a Llama-style target config; layers default to speculators' ``[2, L // 2, L - 3]``."""
         n = int(target_config.num_hidden_layers)
         ids = tuple(aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3)
-        rope = getattr(target_config, "rope_parameters", None) or {}
+        rope = dict(getattr(target_config, "rope_parameters", None) or {})
         theta = float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
+        scaled = rope.get("rope_type", "default") != "default"
+        _check_rope_type(rope.get("rope_type", "default"), "the target's rope_parameters")
+        extra = {"max_position_embeddings": int(target_config.max_position_embeddings)} if scaled else {}
         heads = int(target_config.num_attention_heads)
         return cls(
             hidden_size=int(target_config.hidden_size),
@@ -113,8 +120,10 @@ class Eagle3Config:
             aux_layer_ids=ids,
             rms_norm_eps=float(target_config.rms_norm_eps),
             rope_theta=theta,
+            rope_parameters=rope if scaled else None,
             verifier=verifier,
             verifier_architectures=tuple(getattr(target_config, "architectures", None) or ("LlamaForCausalLM",)),
+            extra_layer_config=extra,
         )
 
     def to_speculators(self, speculative_tokens: int = 3) -> dict[str, Any]:
@@ -136,7 +145,9 @@ class Eagle3Config:
                 "attention_bias": False,
                 "mlp_bias": False,
                 "tie_word_embeddings": False,
-                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+                "rope_parameters": dict(
+                    self.rope_parameters or {"rope_theta": self.rope_theta, "rope_type": "default"}
+                ),
             }
         )
         options = {k: True for k in ("norm_before_fc", "fc_norm", "norm_output") if getattr(self, k)}
@@ -198,8 +209,8 @@ class Eagle3Config:
         w = "transformer_layer_config."
         hidden = need(layer, "hidden_size", int, w)
         heads = need(layer, "num_attention_heads", int, w)
-        rope = layer.get("rope_parameters") or {}
-        theta = float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
+        rope = _rope_parameters(layer, source)
+        theta = float(rope.get("rope_theta", 10000.0))
         target_hidden = raw.get("target_hidden_size") or hidden
         if target_hidden != hidden:
             raise ValueError(f"{source}: target_hidden_size {target_hidden} != hidden_size {hidden} is not supported")
@@ -222,6 +233,7 @@ class Eagle3Config:
             "rms_norm_eps",
             "rope_parameters",
             "rope_theta",
+            "rope_scaling",
         }
         return cls(
             hidden_size=hidden,
@@ -234,10 +246,38 @@ class Eagle3Config:
             aux_layer_ids=tuple(ids),
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-5)),
             rope_theta=theta,
+            rope_parameters=rope if rope["rope_type"] != "default" else None,
             **flags,
             verifier=str(verifier),
             extra_layer_config={k: v for k, v in layer.items() if k not in known},
         )
+
+
+#: rotary types whose frequencies do not depend on the sequence length (transformers' names)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _check_rope_type(kind: Any, where: str) -> None:
+    if kind not in STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"{where}: rope_type {kind!r} is not supported (supported: {', '.join(STATIC_ROPE_TYPES)}; "
+            "'dynamic' and 'longrope' change with the sequence length)"
+        )
+
+
+def _rope_parameters(layer: dict[str, Any], source: str) -> dict[str, Any]:
+    """A layer config's rotary parameters as transformers normalises them (legacy ``rope_scaling`` and ``rope_theta``
+    included), checked to be a static type."""
+    from transformers import LlamaConfig
+
+    keys = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings")
+    try:
+        rope = dict(LlamaConfig(**{k: layer[k] for k in keys if layer.get(k) is not None}).rope_parameters or {})
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{source}: transformer_layer_config's rotary parameters are not readable ({e})") from None
+    rope.setdefault("rope_type", "default")
+    _check_rope_type(rope["rope_type"], f"{source}: transformer_layer_config")
+    return rope
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -325,6 +365,20 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         #: rotary frequencies, float32 whatever the weights' dtype (not a buffer, so ``.to(dtype)`` leaves it)
         self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        #: the rotary type's scale on cos and sin (yarn's; 1 otherwise)
+        self.rope_scaling = 1.0
+        if c.rope_parameters is not None:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            view = LlamaConfig(
+                hidden_size=c.hidden_size,
+                num_attention_heads=c.num_attention_heads,
+                head_dim=c.head_dim,
+                max_position_embeddings=int(c.extra_layer_config.get("max_position_embeddings", 2048)),
+                rope_parameters=dict(c.rope_parameters),
+            )
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_parameters["rope_type"]](view, "cpu")
+            self.inv_freq, self.rope_scaling = inv_freq.float(), float(scale)
 
     @property
     def device(self) -> torch.device:
@@ -390,7 +444,7 @@ class Eagle3Head(nn.Module):
         """cos, sin for ``positions`` (``[T]`` or ``[B, T]``), shaped to broadcast over heads."""
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
         if cos.dim() == 2:
             return cos[None, None], sin[None, None]
         return cos[:, None], sin[:, None]
