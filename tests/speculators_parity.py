@@ -1,7 +1,7 @@
 """Run by vLLM's environment (tests/test_vllm.py): speckv's EAGLE-3 head computes what speculators' own model computes.
 
 For each of speculators' head options (``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``, a
-trained input embedding, Llama-3's and YaRN's rotary scaling) it builds speculators' ``Eagle3DraftModel`` with random weights, saves it with speculators'
+trained input embedding, Llama-3's and YaRN's rotary scaling, Qwen3's decoder layer) it builds speculators' ``Eagle3DraftModel`` with random weights, saves it with speculators'
 own ``save_pretrained``, loads that folder with :func:`speckv_policy.hf.eagle3.load_eagle3`, and runs both on the same
 random target states and tokens, at positions from 3001, for three training-time-test steps (the first draft token, then two read from the
 head's own output, teacher-forced, as speculators' forward does). Prints ``RESULT {json}``: per option, the largest
@@ -34,6 +34,7 @@ VARIANTS = {
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
     "yarn_rope": {"rope": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                            "original_max_position_embeddings": 1024}},
+    "qwen3_layer": {"layer": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}},
 }  # fmt: skip
 #: the first row's position: far enough that a scaled rotary type turns its slow frequencies measurably
 FIRST_POSITION = 3001
@@ -48,7 +49,8 @@ def speculators_head(folder: Path, options: dict, gen: torch.Generator) -> Eagle
     )  # fmt: skip
     raw = Eagle3Config.for_target(target, DRAFT_VOCAB, (1, 3, 4), verifier="tiny").to_speculators()
     rope = options.get("rope")
-    raw.update({k: v for k, v in options.items() if k != "rope"})
+    raw.update({k: v for k, v in options.items() if k not in ("rope", "layer")})
+    raw["transformer_layer_config"].update(options.get("layer", {}))
     if rope is not None:
         raw["transformer_layer_config"].update(rope_parameters=rope, max_position_embeddings=4096)
     spec = folder / "spec"

@@ -78,7 +78,8 @@ def test_config_round_trip_and_speculators_fields():
     [
         (lambda r: r.update(speculators_model_type="eagle"), "speculators_model_type must be 'eagle3'"),
         (lambda r: r.pop("transformer_layer_config"), "missing 'transformer_layer_config'"),
-        (lambda r: r["transformer_layer_config"].update(model_type="qwen3"), "not supported"),
+        (lambda r: r["transformer_layer_config"].update(model_type="mistral"), "'mistral' is not supported"),
+        (lambda r: r["transformer_layer_config"].update(layer_types=["sliding_attention"]), "sliding-window"),
         (lambda r: r["transformer_layer_config"].update(num_hidden_layers=2), "num_hidden_layers must be 1"),
         (lambda r: r.update(eagle_aux_hidden_state_layer_ids=[-1]), "non-negative integers"),
         (lambda r: r.update(draft_vocab_size="32"), "'draft_vocab_size' must be"),
@@ -213,6 +214,38 @@ def test_rotary_scaling_is_read_from_the_target_or_the_folder_and_applied():
     layer["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
     with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
         Eagle3Config.from_speculators(legacy, "x/config.json")
+
+
+def test_a_qwen3_target_gets_a_qwen3_head_that_drafts_losslessly(tmp_path):
+    """Qwen3's layer (RMSNorms over each head's queries and keys): written and read as speculators' qwen3 layer,
+    warm-started from the target's, and drafting through the hook keeps the target's greedy output."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    qcfg = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    target = Qwen3ForCausalLM(qcfg).eval()
+    cfg = Eagle3Config.for_target(target.config, 64, LAYERS)
+    assert cfg.layer_type == "qwen3"
+    head = init_head(target, cfg, torch.arange(64))
+    src = target.model.layers[LAYERS[-1]].self_attn
+    assert torch.equal(head.layers[0].self_attn.q_norm.weight, src.q_norm.weight.float())
+    head.save(tmp_path / "q")
+    raw = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert raw["transformer_layer_config"]["model_type"] == "qwen3"
+    back = load_eagle3(tmp_path / "q")
+    assert back.eagle.layer_type == "qwen3" and hasattr(back.layers[0].self_attn, "k_norm")
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        with attach(target, 3, compression="fp32") as h:
+            out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=back)
+        assert torch.equal(out, ref)
+        drafted += sum(s.gamma for s in h.stats)
+    assert drafted > 0
 
 
 def test_a_full_vocabulary_head_may_ship_no_vocabulary_maps(tmp_path):

@@ -112,7 +112,7 @@ def test_the_shipped_eagle3_head_is_a_speculators_eagle3_folder(tmp_path):
 
 
 def test_the_head_computes_what_speculators_own_model_computes(tmp_path):
-    """For each of speculators' head options (a trained embedding and Llama-3 / YaRN rotary scaling among them), a head
+    """For each of speculators' head options (a trained embedding, Llama-3 / YaRN rotary scaling, Qwen3's layer), a head
     speculators itself built and saved gives the same logits through speckv's loader and layer as through speculators'
     own forward, over three training-time-test steps (tests/speculators_parity.py)."""
     cmd = [str(VLLM_PYTHON), str(ROOT / "tests" / "speculators_parity.py")]
@@ -121,7 +121,7 @@ def test_the_head_computes_what_speculators_own_model_computes(tmp_path):
     assert r.returncode == 0 and lines, r.stderr[-4000:]
     got = json.loads(lines[-1].removeprefix("RESULT "))
     options = {"default", "norm_before_residual", "norm_before_fc", "fc_norm+norm_output", "trained_embedding"}
-    assert set(got) == options | {"llama3_rope", "yarn_rope"}
+    assert set(got) == options | {"llama3_rope", "yarn_rope", "qwen3_layer"}
     for name, res in got.items():
         assert len(res["steps"]) == 3, name
         for step in res["steps"]:  # fp32 on both sides: rounding only (logits of magnitude ~3)

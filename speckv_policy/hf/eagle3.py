@@ -2,7 +2,7 @@
 
 EAGLE-3 (Li et al., 2025) drafts from three of the target's hidden states
 (low, middle and high layers, concatenated and projected by ``fc``) and the
-embedding of the token sampled after them, through one Llama decoder layer
+embedding of the token sampled after them, through one Llama (or Qwen3) decoder layer
 whose attention reads both (q/k/v over ``2 * hidden``; ``input_layernorm`` on
 the embedding half, ``hidden_norm`` on the hidden half), a final ``norm`` and
 an LM head over a reduced vocabulary (``d2t[i]`` is the offset from draft id
@@ -73,6 +73,9 @@ class Eagle3Config:
         before it.
     verifier : str
         The target's name (``speculators_config.verifier.name_or_path``).
+    layer_type : str
+        The decoder layer's kind, speculators' ``transformer_layer_config.model_type``: ``"llama"``, or ``"qwen3"``
+        (Qwen3's layer: RMSNorms over each head's queries and keys, ``q_norm`` / ``k_norm``).
     extra_layer_config : dict
         Further ``transformer_layer_config`` entries kept as read (written back unchanged).
     """
@@ -94,13 +97,15 @@ class Eagle3Config:
     norm_output: bool = False
     verifier: str = ""
     verifier_architectures: tuple[str, ...] = ("LlamaForCausalLM",)
+    layer_type: str = "llama"
     extra_layer_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def for_target(
         cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None, verifier: str = ""
     ) -> Eagle3Config:
-        """The head shape for a Llama-style target config; layers default to speculators' ``[2, L // 2, L - 3]``."""
+        """The head shape for a Llama- or Qwen3-style target config; layers default to speculators' ``[2, L // 2,
+        L - 3]``."""
         n = int(target_config.num_hidden_layers)
         ids = tuple(aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3)
         rope = dict(getattr(target_config, "rope_parameters", None) or {})
@@ -123,6 +128,7 @@ class Eagle3Config:
             rope_parameters=rope if scaled else None,
             verifier=verifier,
             verifier_architectures=tuple(getattr(target_config, "architectures", None) or ("LlamaForCausalLM",)),
+            layer_type="qwen3" if getattr(target_config, "model_type", "llama") == "qwen3" else "llama",
             extra_layer_config=extra,
         )
 
@@ -131,8 +137,8 @@ class Eagle3Config:
         layer = dict(self.extra_layer_config)
         layer.update(
             {
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
+                "model_type": self.layer_type,
+                "architectures": [LAYER_TYPES[self.layer_type]],
                 "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size,
                 "num_attention_heads": self.num_attention_heads,
@@ -195,10 +201,15 @@ class Eagle3Config:
         if kind != "eagle3":
             raise ValueError(f"{source}: speculators_model_type must be 'eagle3', got {kind!r}")
         layer = need(raw, "transformer_layer_config", dict, "")
-        if layer.get("model_type", "llama") != "llama":
+        layer_type = layer.get("model_type", "llama")
+        if layer_type not in LAYER_TYPES:
             raise ValueError(
-                f"{source}: transformer_layer_config.model_type {layer.get('model_type')!r} is not supported "
-                "(Llama-style heads only)"
+                f"{source}: transformer_layer_config.model_type {layer_type!r} is not supported "
+                f"(supported: {', '.join(LAYER_TYPES)})"
+            )
+        if "sliding_attention" in (layer.get("layer_types") or []):
+            raise ValueError(
+                f"{source}: transformer_layer_config.layer_types: sliding-window attention is not supported"
             )
         n_layers = layer.get("num_hidden_layers", 1)
         if n_layers != 1:
@@ -249,9 +260,13 @@ class Eagle3Config:
             rope_parameters=rope if rope["rope_type"] != "default" else None,
             **flags,
             verifier=str(verifier),
+            layer_type=layer_type,
             extra_layer_config={k: v for k, v in layer.items() if k not in known},
         )
 
+
+#: the decoder layers a head may have (speculators' ``model_type``) and the architecture name each is written with
+LAYER_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 #: rotary types whose frequencies do not depend on the sequence length (transformers' names)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -339,6 +354,11 @@ class Eagle3Head(nn.Module):
         mlp.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         mlp.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         mlp.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        if c.layer_type == "qwen3":  # Qwen3: an RMSNorm over each head's queries and keys, before the rotation
+            attn.q_norm = nn.Module()
+            attn.q_norm.weight = nn.Parameter(torch.ones(c.head_dim))
+            attn.k_norm = nn.Module()
+            attn.k_norm.weight = nn.Parameter(torch.ones(c.head_dim))
         layer.self_attn, layer.mlp = attn, mlp
         layer.input_layernorm = nn.Module()
         layer.input_layernorm.weight = nn.Parameter(torch.ones(h))
@@ -487,6 +507,8 @@ class Eagle3Head(nn.Module):
         q = a.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = a.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = a.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        if c.layer_type == "qwen3":
+            q, k = _rms_norm(q, a.q_norm.weight, c.rms_norm_eps), _rms_norm(k, a.k_norm.weight, c.rms_norm_eps)
         cos, sin = rope
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2))
@@ -538,7 +560,8 @@ def load_eagle3(
     FileNotFoundError
         If ``config.json`` or ``model.safetensors`` is missing.
     ValueError
-        If the config is not a Llama-style eagle3 config, or a weight is missing, extra or misshapen (named).
+        If the config is not an eagle3 config this module reads (one Llama or Qwen3 layer, a static rotary type),
+        or a weight is missing, extra or misshapen (named).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file

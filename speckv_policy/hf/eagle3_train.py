@@ -175,6 +175,9 @@ def init_head(target: Any, cfg: Eagle3Config, vocab: torch.Tensor) -> Eagle3Head
             new[:, h:] = w
             getattr(lay.self_attn, name).weight.copy_(new)
         lay.self_attn.o_proj.weight.copy_(sd[src + "self_attn.o_proj.weight"].float())
+        if cfg.layer_type == "qwen3":
+            lay.self_attn.q_norm.weight.copy_(sd[src + "self_attn.q_norm.weight"].float())
+            lay.self_attn.k_norm.weight.copy_(sd[src + "self_attn.k_norm.weight"].float())
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(lay.mlp, name).weight.copy_(sd[src + f"mlp.{name}.weight"].float())
         lay.hidden_norm.weight.copy_(sd[src + "input_layernorm.weight"].float())
