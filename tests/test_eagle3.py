@@ -21,6 +21,7 @@ from speckv_policy.hf.eagle3_train import (
     agreement,
     choose_vocabulary,
     extract_features,
+    fit_head_copy_gate,
     init_head,
     train_head,
     ttt_forward,
@@ -41,6 +42,17 @@ def eagle_pair():
     target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=0, layer_scale=0.2)
     head = tiny_eagle3_head(target, LAYERS, draft_vocab_size=48, prompts=PROMPTS)
     return target, head
+
+
+@pytest.fixture(scope="module")
+def copy_pair(eagle_pair):
+    """The same pair, the head with a strong context-copy gate (g = sigmoid(1) = 0.73 wherever the context matches)."""
+    import copy
+
+    target, head = eagle_pair
+    gated = copy.deepcopy(head)
+    gated.set_copy_gate([1.0] * 8, [0.0] * 8, 8)
+    return target, gated
 
 
 def _teacher_forced_logits(target, head, seq):
@@ -441,6 +453,67 @@ def test_greedy_output_is_the_targets_with_the_head(eagle_pair, gammas, mode, pr
     assert sum(s.accepted + 1 for s in h.stats) == out.shape[1] - ids.shape[1]
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gammas=st.lists(st.integers(0, 8), min_size=1, max_size=10),
+    prompt=st.lists(st.integers(1, 8), min_size=1, max_size=12),
+    n_new=st.integers(1, 30),
+)
+def test_greedy_output_is_the_targets_with_a_copy_gated_head(copy_pair, gammas, prompt, n_new):
+    """Prompts over a few tokens repeat, so the copy candidate (often outside the head's vocabulary) is drafted."""
+    target, head = copy_pair
+    ids = torch.tensor([prompt])
+    ref = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+    with attach(target, _cycle(gammas), compression="fp32", feature_set="online", settings={"max_gamma": 8}):
+        out = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=head)
+    assert torch.equal(out, ref)
+
+
+def test_the_copy_gate_mixes_a_proper_distribution_and_travels_in_speckv_json(copy_pair, tmp_path):
+    target, head = copy_pair
+    full = torch.full((1, 64), float("-inf"))
+    full[:, head.target_ids()] = torch.randn(1, head.eagle.draft_vocab_size)
+    outside = int((~head.t2d).nonzero()[0])
+    history = np.array([outside, 5, 9, outside, 5, 9])  # the context repeats: candidate `outside`
+    mixed = head.draft_log_probs(full, history)
+    assert torch.isclose(torch.logsumexp(mixed, -1), torch.zeros(1), atol=1e-5).all()
+    assert mixed[0, outside].exp() > 0.7  # g = 0.73 at a match, on a token the head alone never drafts
+    assert torch.equal(head.draft_log_probs(full, np.array([1, 2, 3])).isinf(), full.isinf())  # no match: q
+    head.save(tmp_path / "g", meta={"note": 1})
+    meta = json.loads((tmp_path / "g" / "speckv.json").read_text())
+    assert meta["note"] == 1 and meta["copy"] == head.copy_gate() and meta["copy"]["max_match"] == 8
+    assert load_eagle3(tmp_path / "g").copy_gate() == head.copy_gate()
+    for bad, message in (({"max_match": 2, "a": [0.0], "b": [0.0, 0.0]}, "'a' must be 2 finite numbers"), ("x", "")):
+        meta["copy"] = bad
+        (tmp_path / "g" / "speckv.json").write_text(json.dumps(meta))
+        with pytest.raises(ValueError, match=f"speckv.json 'copy'.*{message}"):
+            load_eagle3(tmp_path / "g")
+
+
+def test_a_copy_gate_is_fitted_where_the_context_predicts_the_target():
+    """Synthetic ground truth: texts whose target greedy token is, wherever the context matches, the token that
+    followed the match. The fitted gate trusts long matches, and agreement with it rises above the head alone."""
+    target, cfg, feats = _random_texts(8, 40, 4)
+    head = init_head(target, cfg, torch.arange(64))
+    for t in feats:  # repeat the first half, then make the target's greedy token the copy candidate wherever one exists
+        ids = torch.cat([t["ids"][:20], t["ids"][:20]])
+        t["ids"] = ids
+        s = t["start"]
+        from speckv_policy.hf.copy_gate import copy_candidates
+
+        cand, length = copy_candidates(ids.numpy().astype(np.int64), s - 1, len(ids) - s)
+        top = t["top_ids"].clone()
+        top[: len(ids) - s, 0] = torch.where(torch.from_numpy(length) > 1, torch.from_numpy(cand).int(), top[:-1, 0])
+        t["top_ids"] = top
+    emb = target.get_input_embeddings().weight.detach()
+    plain = agreement(head, emb, feats)["overall"]
+    gate = fit_head_copy_gate(head, emb, feats)
+    assert gate["max_match"] == 8 and head.copy_gate() == gate
+    assert gate["a"][-1] > gate["a"][0]  # a match of 8 tokens earns more trust than one of 1
+    assert agreement(head, emb, feats)["overall"] > plain + 0.2
+    assert agreement(head, emb, feats, copy=False)["overall"] == plain
+
+
 @pytest.mark.parametrize(
     "options", [{"norm_before_fc": True}, {"fc_norm": True, "norm_output": True, "norm_before_residual": True}]
 )
@@ -489,13 +562,18 @@ def test_the_head_is_accepted_on_what_it_learned(eagle_pair):
         assert h.summary()["acceptance"] > 0.15, prompt
 
 
-def test_sampling_with_the_head_keeps_the_target_distribution():
-    """Chi-square over the next two tokens: assisted sampling with a reduced-vocabulary head vs the exact joint."""
+@pytest.mark.parametrize("copy", [False, True])
+def test_sampling_with_the_head_keeps_the_target_distribution(copy):
+    """Chi-square over the next two tokens: assisted sampling with a reduced-vocabulary head vs the exact joint;
+    with a copy gate, from a prompt that repeats (its candidates reach tokens outside the head's vocabulary)."""
     from scipy.stats import chisquare
 
     target, _ = tiny_llama_pair(vocab_size=12, hidden_size=32, layers=3, seed=3, init_range=0.15, layer_scale=0.3)
     head = tiny_eagle3_head(target, LAYERS, draft_vocab_size=10, steps=100)
     ids = torch.tensor([[1, 2, 3]])
+    if copy:
+        head.set_copy_gate([1.0] * 8, [0.0] * 8, 8)
+        ids = torch.tensor([[1, 2, 3, 11, 1, 2, 3, 11, 1, 2]])
     with torch.no_grad():
         p1 = torch.softmax(target(ids).logits[0, -1].double(), -1)
         joint = np.stack(
@@ -514,7 +592,7 @@ def test_sampling_with_the_head_keeps_the_target_distribution():
             out = target.generate(
                 ids, max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, assistant_model=head
             )
-            counts[out[0, 3], out[0, 4]] += 1
+            counts[out[0, ids.shape[1]], out[0, ids.shape[1] + 1]] += 1
     drafted = [s for s in h.stats if s.gamma > 0]
     assert drafted and sum(s.accepted for s in drafted) / sum(s.gamma for s in drafted) > 0.2
     exp = joint.ravel() * counts.sum()

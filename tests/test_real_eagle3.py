@@ -36,6 +36,9 @@ def test_shipped_head_records_its_build(head):
     for comp in ("fp32", "int8", "nf4"):
         assert {"code", "math", "chat", "summarization", "overall"} <= set(meta["heldout_agreement"][comp])
     assert (HEAD / "model.safetensors").stat().st_size < 30e6  # bf16, no input embedding
+    # the context-copy gate the build fitted, loaded with the head, and the held-out measure with it and without
+    assert head.copy_gate() == meta["copy"] and meta["copy"]["max_match"] == 8
+    assert set(meta["heldout_agreement_without_copy"]) == {"fp32", "int8", "nf4"}
     assert meta["texts"]["heldout"] == sum(p.split == "heldout" for p in read_prompts(PROMPTS))
 
 

@@ -194,6 +194,12 @@ def _main(argv: list[str] | None = None) -> int:
     h.add_argument(
         "--compressions", default="fp32,int8,nf4", help="targets to measure held-out agreement on (default all three)"
     )
+    h.add_argument(
+        "--copy-max-match",
+        type=int_at_least(0),
+        default=8,
+        help="the head's context-copy gate reads context matches up to this long (default 8; 0: no gate)",
+    )
     e = sub.add_parser("eval", help="held-out greedy agreement of a shipped draft")
     e.add_argument("--corpus", required=True, help="corpus file(s) with the held-out answers")
     e.add_argument("--draft", required=True, help="draft folder")
@@ -296,10 +302,11 @@ def _main(argv: list[str] | None = None) -> int:
                 steps=args.ttt_steps,
                 lr=args.lr,
                 compressions=comps,
+                copy_max_match=args.copy_max_match,
             )
         except ValueError as exc:
             raise DistillError(str(exc)) from None
-        keys = ("steps", "train_minutes", "validation_agreement", "heldout_agreement", "vocabulary_greedy_coverage")
+        keys = ("steps", "train_minutes", "validation_agreement", "heldout_agreement", "heldout_agreement_without_copy")
         print(json.dumps({k: meta[k] for k in keys}, indent=1))
     else:
         corpus = _load_corpora(args.corpus)

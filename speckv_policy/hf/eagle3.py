@@ -19,6 +19,12 @@ embedding is the target's and is not stored (vLLM shares it too). Layer id
 ``k`` means the state entering the target's layer ``k`` (Hugging Face's
 ``hidden_states[k]``, vLLM's auxiliary layer ``k``).
 
+The project's own ``speckv.json`` beside them may hold a context-copy gate
+(:mod:`speckv_policy.hf.copy_gate`, key ``"copy"``): the hook then drafts
+from the head's distribution mixed with n-gram lookup of the context, as the
+distilled draft does. vLLM reads only the speculators files and serves the
+head without it.
+
 Loading reads JSON and safetensors only: nothing in the folder executes.
 """
 
@@ -30,12 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..atomic import atomic_write_dir
 from ..head_format import EAGLE3_CONFIG, EAGLE3_WEIGHTS, is_eagle3_dir
+from .copy_gate import check_copy_gate, longest_suffix_match, mix_log_probs
 
 __all__ = ["EAGLE3_CONFIG", "EAGLE3_WEIGHTS", "Eagle3Config", "Eagle3Head", "is_eagle3_dir", "load_eagle3"]
 
@@ -381,6 +389,7 @@ class Eagle3Head(nn.Module):
                 self.fc_norm.append(norm)
         #: the head's own input embedding, or None (drafting reads the target's; see :meth:`input_embedding`)
         self.embed_tokens = nn.Embedding(c.vocab_size, h) if own_embedding else None
+        self._copy: dict[str, Any] | None = None
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         #: rotary frequencies, float32 whatever the weights' dtype (not a buffer, so ``.to(dtype)`` leaves it)
@@ -436,6 +445,41 @@ class Eagle3Head(nn.Module):
             parts = x.chunk(len(c.aux_layer_ids), dim=-1)
             x = torch.cat([_rms_norm(p, n.weight, c.rms_norm_eps) for p, n in zip(parts, self.fc_norm)], dim=-1)
         return self.fc(x)
+
+    def set_copy_gate(self, a: list[float], b: list[float], max_match: int) -> None:
+        """Draft from the head's distribution mixed with context copy (:mod:`speckv_policy.hf.copy_gate`): one
+        intercept ``a`` and confidence slope ``b`` per match length 1 .. ``max_match``."""
+        gate = check_copy_gate({"max_match": max_match, "a": list(a), "b": list(b)}, "copy gate")
+        gate["a"], gate["b"] = [round(x, 5) for x in gate["a"]], [round(x, 5) for x in gate["b"]]  # as stored
+        self._copy = gate
+
+    def clear_copy_gate(self) -> None:
+        """Draft from the head's own distribution only."""
+        self._copy = None
+
+    def copy_gate(self) -> dict[str, Any] | None:
+        """The gate as ``speckv.json`` stores it (``max_match``, ``a``, ``b``), or None."""
+        return (
+            None if self._copy is None else {k: (list(v) if isinstance(v, list) else v) for k, v in self._copy.items()}
+        )
+
+    def draft_log_probs(self, logits: torch.Tensor, history: Any) -> torch.Tensor:
+        """Full-vocabulary drafting scores ``[1, vocab]`` after ``history`` (the context and the tokens drafted so
+        far, 1-D): ``logits`` (``-inf`` outside the head's vocabulary) unchanged without a copy gate, else
+        ``log q'`` of the mixture with the context's copy candidate (which may lie outside the vocabulary)."""
+        gate = self._copy
+        if gate is None:
+            return logits
+        cand, length = longest_suffix_match(np.asarray(history, dtype=np.int64), gate["max_match"])
+        dev = logits.device
+        return mix_log_probs(
+            logits.float(),
+            torch.tensor([cand], device=dev),
+            torch.tensor([length], device=dev),
+            torch.tensor(gate["a"], device=dev),
+            torch.tensor(gate["b"], device=dev),
+            support=self.target_ids(),
+        )
 
     def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
         """What the next draft token reads in place of the target's features: the layer output ``out`` (after the
@@ -535,8 +579,12 @@ class Eagle3Head(nn.Module):
         return self.lm_head(_rms_norm(out, self.norm.weight, self.eagle.rms_norm_eps))
 
     def save(self, folder: str | Path, meta: dict[str, Any] | None = None, speculative_tokens: int = 3) -> None:
-        """Write the speculators folder (bf16 weights, ``config.json``) and ``speckv.json``, atomically."""
+        """Write the speculators folder (bf16 weights, ``config.json``) and ``speckv.json`` (``meta`` and the copy
+        gate, if any), atomically."""
         from safetensors.torch import save_file
+
+        if self._copy is not None:  # the copy gate travels in speckv.json
+            meta = {**(meta or {}), "copy": self.copy_gate()}
 
         def write(tmp: Path) -> None:
             sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
@@ -594,6 +642,15 @@ def load_eagle3(
         if tuple(v.shape) != tuple(own[k].shape):
             raise ValueError(f"{w_path}: '{k}' has shape {tuple(v.shape)}, the config implies {tuple(own[k].shape)}")
     head.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()})
+    meta_path = folder / EAGLE3_META
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{meta_path}: not valid JSON ({e})") from None
+        if isinstance(meta, dict) and meta.get("copy") is not None:
+            gate = check_copy_gate(meta["copy"], f"{meta_path} 'copy'")
+            head.set_copy_gate(gate["a"], gate["b"], gate["max_match"])
     ids = head.target_ids()
     if int(ids.min()) < 0 or int(ids.max()) >= head.eagle.vocab_size or not bool(head.t2d[ids].all()):
         raise ValueError(f"{w_path}: d2t maps draft ids outside the vocabulary or disagrees with t2d")

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from .copy_gate import DEFAULT_MAX_MATCH, copy_argmax, copy_candidates, fit_copy_gate
 from .eagle3 import Eagle3Config, Eagle3Head
 
 TOPK = 16
@@ -282,14 +283,14 @@ def _batches(texts: list[dict[str, Any]], tokens_per_batch: int, rng: np.random.
     return batches
 
 
-def agreement(head: Eagle3Head, embed: torch.Tensor, texts: list[dict[str, Any]]) -> dict[str, float]:
-    """Teacher-forced first-draft-token agreement with the target's greedy token, per task and overall.
+def _first_draft_rows(head: Eagle3Head, embed: torch.Tensor, texts: list[dict[str, Any]]) -> Any:
+    """Per text (batches of 8): the head's first-draft logits at each answer token, teacher-forced.
 
-    Over every answer token: the head, reading the target's features up to the token before it, drafts it; a
-    target token outside the head's vocabulary counts as a miss.
+    Yields ``(text, logits [answer tokens, draft vocab], targets)``, where ``targets`` holds the target's top-k ids
+    for each answer token (column 0: its greedy token). Row ``j`` reads the target's features up to position
+    ``j`` and token ``j + 1``, and drafts token ``j + 2``.
     """
     slots = _slots(head)
-    hits: dict[str, list[tuple[int, int]]] = {}
     head.eval()
     with torch.no_grad():
         for k in range(0, len(texts), 8):
@@ -300,19 +301,72 @@ def agreement(head: Eagle3Head, embed: torch.Tensor, texts: list[dict[str, Any]]
             nxt = torch.zeros_like(ids)
             nxt[:, :-1] = ids[:, 1:]
             out, _, _ = head.layer(F.embedding(nxt, embed), head.fuse(batch["aux"]), head.rope(torch.arange(width) + 1))
-            pred = head.logits(out).argmax(-1)
+            logits = head.logits(out).float()
             for r, t in enumerate(chunk):
                 n, s = len(t["ids"]), t["start"]
-                rows = torch.arange(s - 2, n - 2)  # row j drafts the token after position j + 1
-                greedy = batch["greedy"][r, rows + 1]
-                hit = int(((pred[r, rows] == greedy) & (greedy >= 0)).sum())
-                hits.setdefault(t["task_type"], []).append((hit, n - s))
+                yield t, logits[r, s - 2 : n - 2], t["top_ids"][: n - s].long()
+
+
+def _copy_inputs(text: dict[str, Any], max_match: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy candidate and match length for each answer token of ``text`` (from the tokens before it)."""
+    n, s = len(text["ids"]), text["start"]
+    cand, length = copy_candidates(text["ids"].numpy().astype(np.int64), s - 1, n - s, max_match)
+    return torch.from_numpy(cand), torch.from_numpy(length)
+
+
+def agreement(
+    head: Eagle3Head, embed: torch.Tensor, texts: list[dict[str, Any]], *, copy: bool = True
+) -> dict[str, float]:
+    """Teacher-forced first-draft-token agreement with the target's greedy token, per task and overall.
+
+    Over every answer token: the head, reading the target's features up to the token before it, drafts it; a
+    target token outside the head's vocabulary counts as a miss, unless the head's copy gate (used when ``copy``
+    and the head has one, as the hook drafts) proposes it from the context.
+    """
+    gate = head.copy_gate() if copy else None
+    head_ids = head.target_ids()
+    slots = _slots(head)
+    hits: dict[str, list[tuple[int, int]]] = {}
+    for t, logits, targets in _first_draft_rows(head, embed, texts):
+        if gate is None:
+            pred = head_ids[logits.argmax(-1)]
+        else:
+            cand, length = _copy_inputs(t, gate["max_match"])
+            a, b = torch.tensor(gate["a"]), torch.tensor(gate["b"])
+            pred = copy_argmax(logits, head_ids, slots, cand, length, a, b)
+        hits.setdefault(t["task_type"], []).append((int((pred == targets[:, 0]).sum()), len(pred)))
     out_d: dict[str, float] = {}
     for task, v in sorted(hits.items()):
         out_d[task] = round(sum(h for h, _ in v) / max(1, sum(n for _, n in v)), 4)
     every = [x for v in hits.values() for x in v]
     out_d["overall"] = round(sum(h for h, _ in every) / max(1, sum(n for _, n in every)), 4)
     return out_d
+
+
+def fit_head_copy_gate(
+    head: Eagle3Head, embed: torch.Tensor, texts: list[dict[str, Any]], max_match: int = DEFAULT_MAX_MATCH
+) -> dict[str, Any]:
+    """Fit the head's context-copy gate (:mod:`speckv_policy.hf.copy_gate`) on ``texts`` and install it.
+
+    Fit on answers the head never fitted: on fitted text it is right more often than on new text, and the gate
+    would learn to trust it too much. Returns the gate as ``speckv.json`` stores it.
+    """
+    slots = _slots(head)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lq", "p", "hit", "conf", "len")}
+    for t, logits, targets in _first_draft_rows(head, embed, texts):
+        log_q = torch.log_softmax(logits, -1)
+        cand, length = _copy_inputs(t, max_match)
+        at = slots[targets]
+        parts["lq"].append(torch.where(at >= 0, log_q.gather(1, at.clamp_min(0)), torch.full(at.shape, -60.0)))
+        n, s = len(t["ids"]), t["start"]
+        p = t["top_logp"][: n - s].float().exp()
+        parts["p"].append(p / p.sum(-1, keepdim=True))
+        parts["hit"].append(targets == cand[:, None])
+        parts["conf"].append(log_q.max(-1).values)
+        parts["len"].append(length)
+    a, b = fit_copy_gate(*(torch.cat(parts[k]) for k in ("lq", "p", "hit", "conf", "len")), max_match=max_match)
+    head.set_copy_gate(a, b, max_match)
+    return head.copy_gate()
 
 
 def _slots(head: Eagle3Head) -> torch.Tensor:
@@ -418,7 +472,8 @@ def train_head(
         else:
             state["epoch"] += 1
             rng = np.random.default_rng(seed + int(state["epoch"]))
-    evaluate()
+    if not state["history"] or state["history"][-1][0] != state["step"]:  # a resumed, finished run: measured
+        evaluate()
     bar.close()
     head.load_state_dict(best_sd)
     return {

@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from ..hf.eagle3 import Eagle3Config
-from ..hf.eagle3_train import agreement, choose_vocabulary, extract_features, init_head, train_head
+from ..hf.eagle3_train import (
+    agreement,
+    choose_vocabulary,
+    extract_features,
+    fit_head_copy_gate,
+    init_head,
+    train_head,
+)
 
 
 def _cached_features(
@@ -57,6 +64,19 @@ def _cached_features(
     return feats
 
 
+def _previous_meta(folder: Path) -> dict[str, Any]:
+    """What the head folder's ``speckv.json`` recorded, if it holds a readable one (else empty)."""
+    import json
+
+    from ..hf.eagle3 import EAGLE3_META
+
+    try:
+        meta = json.loads((folder / EAGLE3_META).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def build_eagle3(
     corpus: dict,
     out: str | Path,
@@ -70,6 +90,7 @@ def build_eagle3(
     lr: float = 2e-3,
     tokens_per_batch: int = 2048,
     compressions: tuple[str, ...] = ("fp32", "int8", "nf4"),
+    copy_max_match: int = 8,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the EAGLE-3 head for SmolLM2 and write its speculators folder to ``out``.
@@ -77,7 +98,9 @@ def build_eagle3(
     ``corpus`` is a merged ``speckv-distill corpus`` dict: training texts whose prompt id starts with
     ``fit_prefix`` are fitted; the other training prompts' greedy answers select the checkpoint; held-out answers
     are measured once at the end, at every compression in ``compressions`` (the head reads that target's
-    features and is compared with that target's greedy tokens). ``work`` keeps the features and the training
+    features and is compared with that target's greedy tokens). After training, the head's context-copy gate
+    (:mod:`speckv_policy.hf.copy_gate`, matches up to ``copy_max_match`` tokens; 0: none) is fitted on the
+    checkpoint-selection answers, and held-out agreement is measured with it and without. ``work`` keeps the features and the training
     checkpoint, so an interrupted build resumes.
     """
     from .models import load_model
@@ -95,6 +118,7 @@ def build_eagle3(
             f"and other training prompts' greedy answers (got {len(val)})"
         )
     t0 = time.time()
+    cached = (work / "features-fp32.pt").exists()
     target = load_model("smollm2", "fp32")
     cfg = Eagle3Config.for_target(
         target.config, draft_vocab_size, layer_ids, verifier="HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -104,7 +128,9 @@ def build_eagle3(
         work / "features-fp32.pt", corpus, fit + val + held, target, ids, "features fp32", progress
     )
     f_fit, f_val, f_held = feats[: len(fit)], feats[len(fit) : len(fit) + len(val)], feats[len(fit) + len(val) :]
-    feature_minutes = (time.time() - t0) / 60
+    feature_minutes: float | None = round((time.time() - t0) / 60, 1)
+    if cached:  # a resumed build: the extraction time is that of the run that extracted them, if it recorded one
+        feature_minutes = _previous_meta(Path(out)).get("feature_minutes")
     vocab, coverage = choose_vocabulary(f_fit, draft_vocab_size)
     head = init_head(target, cfg, vocab)
     embed = target.get_input_embeddings().weight.detach().float()
@@ -121,7 +147,9 @@ def build_eagle3(
         tokens_per_batch=tokens_per_batch,
         progress=progress,
     )
+    copy_gate = fit_head_copy_gate(head, embed, f_val, copy_max_match) if copy_max_match > 0 else None
     held_agreement: dict[str, dict[str, float]] = {"fp32": agreement(head, embed, f_held)}
+    plain_agreement: dict[str, dict[str, float]] = {"fp32": agreement(head, embed, f_held, copy=False)}
     del target
     for comp in compressions:
         if comp == "fp32":
@@ -131,6 +159,7 @@ def build_eagle3(
             work / f"features-{comp}-heldout.pt", corpus, held, quant, ids, f"features {comp}", progress
         )
         held_agreement[comp] = agreement(head, embed, fq)
+        plain_agreement[comp] = agreement(head, embed, fq, copy=False)
         del quant
     meta = {
         "base": "smollm2",
@@ -144,10 +173,12 @@ def build_eagle3(
         "fit_prefix": fit_prefix,
         "texts": {"fit": len(fit), "validation": len(val), "heldout": len(held)},
         "fit_positions": int(sum(len(t["ids"]) for t in f_fit)),
-        "feature_minutes": round(feature_minutes, 1),
+        "feature_minutes": feature_minutes,
         "corpus_minutes": corpus.get("minutes"),
         **info,
         "heldout_agreement": held_agreement,
+        "heldout_agreement_without_copy": plain_agreement,
+        "copy_fit_texts": len(val) if copy_gate is not None else 0,
     }
     head.save(out, meta=meta)
     return meta
