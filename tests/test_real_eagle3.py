@@ -83,3 +83,34 @@ def test_head_exports_say_they_were_trained_on_the_head(name):
     if rt.metadata["speckv.history_rounds"] == "0":  # trained on the logged rows as they are
         X, y = training_data(read_log(PROFILE), rt.feature_set.name, split="train")
         assert rt.metadata["speckv.training_fingerprint"] == data_fingerprint(X, y[:, 0], y[:, 1])
+
+
+def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path):
+    """``build_eagle3`` end to end on a few real answers (seconds of training): the head folder it writes loads with
+    its fitted gate, and a resumed build with the same work folder writes the same weights and records the first
+    run's extraction time."""
+    from speckv_policy.hf import load_eagle3
+    from speckv_policy.prompts import Prompt
+    from speckv_policy.smollm2.distill import generate_corpus
+    from speckv_policy.smollm2.eagle3 import build_eagle3
+
+    prompts = [
+        Prompt("gen-a", "code", "train", text="Write a Python function that adds two numbers."),
+        Prompt("b", "math", "train", text="What is 12 times 12? Repeat the question, then answer it."),
+        Prompt("c", "summarization", "heldout", text="Summarize: the cat sat on the mat. The cat sat on the mat."),
+    ]
+    corpus = generate_corpus(prompts, samples=2, max_new_tokens=16, batch_size=4, progress=False)
+    kw = {"minutes": 0.05, "draft_vocab_size": 256, "compressions": ("fp32", "nf4"), "progress": False}
+    meta = build_eagle3(corpus, tmp_path / "head", tmp_path / "work", **kw)
+    assert set(meta["heldout_agreement"]) == set(meta["heldout_agreement_without_copy"]) == {"fp32", "nf4"}
+    assert meta["copy_fit_texts"] == 1 and meta["texts"] == {"fit": 2, "validation": 1, "heldout": 1}
+    head = load_eagle3(tmp_path / "head")
+    assert head.copy_gate() == meta["copy"] and len(meta["copy"]["a"]) == 8
+    weights = (tmp_path / "head" / "model.safetensors").read_bytes()
+    again = build_eagle3(corpus, tmp_path / "head", tmp_path / "work", **kw)
+    assert (tmp_path / "head" / "model.safetensors").read_bytes() == weights
+    assert again["feature_minutes"] == meta["feature_minutes"] and again["history"] == meta["history"]
+    assert again["copy"] == meta["copy"] and again["heldout_agreement"] == meta["heldout_agreement"]
+    none = build_eagle3(corpus, tmp_path / "plain", tmp_path / "work", **kw, copy_max_match=0)
+    assert "copy" not in none and load_eagle3(tmp_path / "plain").copy_gate() is None
+    assert none["heldout_agreement"] == none["heldout_agreement_without_copy"]

@@ -179,6 +179,7 @@ def build_eagle3(
         "heldout_agreement": held_agreement,
         "heldout_agreement_without_copy": plain_agreement,
         "copy_fit_texts": len(val) if copy_gate is not None else 0,
+        **({"copy": copy_gate} if copy_gate is not None else {}),
     }
     head.save(out, meta=meta)
     return meta
