@@ -14,8 +14,10 @@ serves: ``config.json`` (``speculators_model_type: "eagle3"``,
 ``transformer_layer_config``, ``draft_vocab_size``,
 ``eagle_aux_hidden_state_layer_ids``, ``target_hidden_size``,
 ``speculators_config`` naming the verifier) and ``model.safetensors``
-(``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``). The input
-embedding is the target's and is not stored (vLLM shares it too). Layer id
+(``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``). The heads
+built here store no input embedding: drafting reads the target's (vLLM shares
+it too); a folder that carries ``embed_tokens`` drafts with it where it
+differs from the target's, as vLLM does. Layer id
 ``k`` means the state entering the target's layer ``k`` (Hugging Face's
 ``hidden_states[k]``, vLLM's auxiliary layer ``k``).
 
