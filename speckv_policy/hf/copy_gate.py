@@ -23,6 +23,7 @@ __all__ = [
     "check_copy_gate",
     "copy_argmax",
     "copy_candidates",
+    "copy_fit_rows",
     "fit_copy_gate",
     "gate_probability",
     "longest_suffix_match",
@@ -157,6 +158,23 @@ def copy_argmax(
     )
     take = (length > 0) & (cand >= 0) & (g + (1 - g) * q_cand >= (1 - g) * top.exp())
     return torch.where(take, cand, head_ids[log_q.argmax(-1)])
+
+
+def copy_fit_rows(
+    log_q: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_logp: torch.Tensor,
+    slots: torch.Tensor,
+    cand: torch.Tensor,
+    length: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs :func:`fit_copy_gate` takes, from a draft's log-probabilities over its head ``log_q [P, H]``, the
+    teacher's top-K ids and log-probabilities ``[P, K]``, each vocabulary id's head slot (``slots [V]``, -1 outside
+    the head) and the copy candidates and match lengths ``[P]``."""
+    at = slots[top_ids]
+    lq = torch.where(at >= 0, log_q.gather(1, at.clamp_min(0)), torch.full(at.shape, -60.0, device=log_q.device))
+    p = top_logp.float().exp()
+    return lq, p / p.sum(-1, keepdim=True), top_ids == cand[:, None], log_q.max(-1).values, length
 
 
 def fit_copy_gate(

@@ -454,6 +454,7 @@ class Eagle3Head(nn.Module):
         gate = check_copy_gate({"max_match": max_match, "a": list(a), "b": list(b)}, "copy gate")
         gate["a"], gate["b"] = [round(x, 5) for x in gate["a"]], [round(x, 5) for x in gate["b"]]  # as stored
         self._copy = gate
+        self._copy_ab = (torch.tensor(gate["a"]), torch.tensor(gate["b"]))  # once, not per draft token
 
     def clear_copy_gate(self) -> None:
         """Draft from the head's own distribution only."""
@@ -465,22 +466,24 @@ class Eagle3Head(nn.Module):
             None if self._copy is None else {k: (list(v) if isinstance(v, list) else v) for k, v in self._copy.items()}
         )
 
-    def draft_log_probs(self, logits: torch.Tensor, history: Any) -> torch.Tensor:
+    def draft_log_probs(self, logits: torch.Tensor, history: Any, support: torch.Tensor | None = None) -> torch.Tensor:
         """Full-vocabulary drafting scores ``[1, vocab]`` after ``history`` (the context and the tokens drafted so
         far, 1-D): ``logits`` (``-inf`` outside the head's vocabulary) unchanged without a copy gate, else
-        ``log q'`` of the mixture with the context's copy candidate (which may lie outside the vocabulary)."""
+        ``log q'`` of the mixture with the context's copy candidate (which may lie outside the vocabulary).
+        ``support``: :meth:`target_ids` on ``logits``' device, if the caller keeps it (computed here otherwise)."""
         gate = self._copy
         if gate is None:
             return logits
         cand, length = longest_suffix_match(np.asarray(history, dtype=np.int64), gate["max_match"])
         dev = logits.device
+        a, b = self._copy_ab
         return mix_log_probs(
             logits.float(),
             torch.tensor([cand], device=dev),
             torch.tensor([length], device=dev),
-            torch.tensor(gate["a"], device=dev),
-            torch.tensor(gate["b"], device=dev),
-            support=self.target_ids(),
+            a.to(dev),
+            b.to(dev),
+            support=self.target_ids().to(dev) if support is None else support,
         )
 
     def next_hidden(self, out: torch.Tensor) -> torch.Tensor:

@@ -190,7 +190,7 @@ class Eagle3Drafter:
             small = head.logits(out[:, -1]).float()
             logits = small.new_full((1, self.vocab), float("-inf"))
             logits[:, self.slots] = small
-            logits = head.draft_log_probs(logits, ids[0].cpu().numpy())  # the copy mixture, where the head has one
+            logits = head.draft_log_probs(logits, ids[0].cpu().numpy(), self.slots)  # the copy mixture, if any
             tok, s = self.chooser.choose(ids, logits)
             ids = torch.cat([ids, tok.to(ids.device)], dim=-1)
             scores.append(s)

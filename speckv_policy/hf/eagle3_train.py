@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .copy_gate import DEFAULT_MAX_MATCH, copy_argmax, copy_candidates, fit_copy_gate
+from .copy_gate import DEFAULT_MAX_MATCH, copy_argmax, copy_candidates, copy_fit_rows, fit_copy_gate
 from .eagle3 import Eagle3Config, Eagle3Head
 
 TOPK = 16
@@ -352,18 +352,15 @@ def fit_head_copy_gate(
     would learn to trust it too much. Returns the gate as ``speckv.json`` stores it.
     """
     slots = _slots(head)
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lq", "p", "hit", "conf", "len")}
+    rows = []
     for t, logits, targets in _first_draft_rows(head, embed, texts):
-        log_q = torch.log_softmax(logits, -1)
-        cand, length = _copy_inputs(t, max_match)
-        at = slots[targets]
-        parts["lq"].append(torch.where(at >= 0, log_q.gather(1, at.clamp_min(0)), torch.full(at.shape, -60.0)))
         n, s = len(t["ids"]), t["start"]
-        p = t["top_logp"][: n - s].float().exp()
-        parts["p"].append(p / p.sum(-1, keepdim=True))
-        parts["hit"].append(targets == cand[:, None])
-        parts["conf"].append(log_q.max(-1).values)
-        parts["len"].append(length)
+        rows.append(
+            copy_fit_rows(
+                torch.log_softmax(logits, -1), targets, t["top_logp"][: n - s], slots, *_copy_inputs(t, max_match)
+            )
+        )
+    parts = {k: [r[j] for r in rows] for j, k in enumerate(("lq", "p", "hit", "conf", "len"))}
     a, b = fit_copy_gate(*(torch.cat(parts[k]) for k in ("lq", "p", "hit", "conf", "len")), max_match=max_match)
     head.set_copy_gate(a, b, max_match)
     return head.copy_gate()

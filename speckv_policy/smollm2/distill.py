@@ -234,6 +234,7 @@ def fit_copy(model: Any, corpus: dict, idx: list[int], max_match: int = 8) -> di
     text the draft is right far more often than on new text, and the gate
     would learn to trust it too much.
     """
+    from ..hf.copy_gate import copy_fit_rows
     from .context_copy import fit_copy_gate
 
     slots = head_slots(model)
@@ -244,14 +245,9 @@ def fit_copy(model: Any, corpus: dict, idx: list[int], max_match: int = 8) -> di
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
             log_q = torch.log_softmax((hidden @ model.lm_head.weight.t()).float(), -1)
             tid = torch.cat([corpus["topk_ids"][i].long() for i in batch])
-            cand, length = _copy_inputs(corpus, batch, max_match)
-            at = slots[tid]
-            parts["lq"].append(torch.where(at >= 0, log_q.gather(1, at.clamp_min(0)), torch.full_like(tlp, -60.0)))
-            p = tlp.exp()
-            parts["p"].append(p / p.sum(-1, keepdim=True))
-            parts["hit"].append(tid == cand[:, None])
-            parts["conf"].append(log_q.max(-1).values)
-            parts["len"].append(length)
+            row = copy_fit_rows(log_q, tid, tlp, slots, *_copy_inputs(corpus, batch, max_match))
+            for k, v in zip(("lq", "p", "hit", "conf", "len"), row):
+                parts[k].append(v)
     a, b = fit_copy_gate(*(torch.cat(parts[k]) for k in ("lq", "p", "hit", "conf", "len")), max_match=max_match)
     model.set_copy_gate(a, b, max_match)
     return model.copy_gate()
