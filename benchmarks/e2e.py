@@ -136,12 +136,18 @@ def _shared_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _calibrate(args: argparse.Namespace, draft: str, out: str, prompts: list[Any]) -> dict[str, Any]:
-    """Calibrate this machine for ``draft`` with the race's settings (``speckv-calibrate``), save to ``out``."""
+def _calibrate(
+    args: argparse.Namespace, draft: str, out: str, prompts: list[Any], draft_linear: str | None = None
+) -> dict[str, Any]:
+    """Calibrate this machine for ``draft`` with the race's settings (``speckv-calibrate``), save to ``out``;
+    ``draft_linear``: that draft's linear backend where it is not ``--draft-linear``'s (the beside draft's)."""
     from speckv_policy.hf.calibrate import CalibrationConfig, calibrate
     from speckv_policy.smollm2.models import SMOLLM2_MODELS
 
-    cal = CalibrationConfig(draft=draft, seconds=args.calibrate, **_shared_settings(args))
+    settings = _shared_settings(args)
+    if draft_linear is not None:
+        settings["draft_linear"] = draft_linear
+    cal = CalibrationConfig(draft=draft, seconds=args.calibrate, **settings)
     cost, steps = calibrate(cal, prompts, models=SMOLLM2_MODELS)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     cost.save(out)
@@ -149,6 +155,7 @@ def _calibrate(args: argparse.Namespace, draft: str, out: str, prompts: list[Any
     return {
         "file": out,
         "draft": draft,
+        "draft_linear": settings["draft_linear"],
         "seconds": args.calibrate,
         "steps": len(steps),
         "cost_model": cost.to_dict(),
@@ -218,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         default="gbt-gated-repriced",
         help="comma-separated arms run with --beside-draft (default gbt-gated-repriced)",
     )
+    add_draft_linear_argument(ap, "--beside-draft-linear", "--beside-draft")
     ap.add_argument(
         "--beside-prefix", default="smollm2-", help="file name prefix of --beside-draft's exports (default smollm2-)"
     )
@@ -276,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         beside_calibration = None
         if args.beside_draft:
-            beside_calibration = _calibrate(args, args.beside_draft, args.beside_costs_out, train)
+            beside_calibration = _calibrate(
+                args, args.beside_draft, args.beside_costs_out, train, args.beside_draft_linear
+            )
             names = list(_csv(args.beside_arms))
             more = make_arms(
                 Path(args.policy_dir),
@@ -293,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             repeats=args.repeats,
             beside_draft=args.beside_draft,
+            beside_draft_linear=args.beside_draft_linear,
             **_shared_settings(args),
         )
         result = run_race(cfg, arms, picked, models=SMOLLM2_MODELS)

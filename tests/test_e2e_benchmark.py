@@ -12,6 +12,7 @@ import pytest
 
 from speckv_policy.evaluation import race
 from speckv_policy.hf import race as hf_race
+from speckv_policy.hf.onednn import onednn_available
 from speckv_policy.machine import cpu_model
 from speckv_policy.testing import save_tiny_pair
 
@@ -174,10 +175,20 @@ def test_a_second_draft_races_beside_in_the_same_run(tiny_setup):
     args += ["--beside-draft", str(twin), "--beside-prefix", "synthetic-", "--beside-arms", "gbt-repriced,fixed-4"]
     args += ["--beside-costs-out", str(d / "c2.json"), "--out", str(d / "b.json"), "--plot", str(d / "b.png")]
     args += ["--doc", str(d / "b.md")]
+    # each draft gets its own linear backend: oneDNN layers take a Llama draft off its fast decode step
+    linear = "onednn" if onednn_available() else "default"
+    args += ["--draft-linear", linear]
     assert run_e2e(args) == 0
     res = json.loads((d / "b.json").read_text())
     assert res["arms"] == ["target", "fixed-2", "gbt-repriced", "twin:fixed-4", "twin:gbt-repriced"]
     assert res["config"]["beside_draft"].endswith("twin")
+    assert res["config"]["draft_linear"] == linear and res["config"]["beside_draft_linear"] == "default"
+    assert res["config"]["beside_draft_forward"] == "fast"
+    if linear == "onednn":
+        assert "not a plain torch.nn.Linear" in res["config"]["draft_forward"]
+    else:
+        assert res["config"]["draft_forward"] == "fast"
+    assert res["calibration"]["draft_linear"] == linear and res["beside_calibration"]["draft_linear"] == "default"
     assert res["beside_calibration"]["file"] == str(d / "c2.json") and (d / "c2.json").is_file()
     assert res["beside_calibration"]["draft"] == str(twin) and res["beside_calibration"]["steps"] > 0
     runs = [r for r in res["runs"] if r["arm"] == "twin:fixed-4"]

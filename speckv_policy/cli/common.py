@@ -97,14 +97,17 @@ def add_draft_precision_argument(parser: argparse.ArgumentParser) -> None:
 TARGET_LINEAR_CHOICES = ("default", "onednn")
 
 
-def add_draft_linear_argument(parser: argparse.ArgumentParser) -> None:
-    """Add ``--draft-linear`` (default ``default``) to a command that drafts."""
+def add_draft_linear_argument(
+    parser: argparse.ArgumentParser, flag: str = "--draft-linear", whose: str = "the draft"
+) -> None:
+    """Add ``flag`` (``--draft-linear`` unless named; default ``default``) to a command that drafts."""
     parser.add_argument(
-        "--draft-linear",
+        flag,
         choices=TARGET_LINEAR_CHOICES,
         default="default",
-        help="the draft's bf16 / float32 linear layers on CPU: torch's own (default) or oneDNN's fused linear "
-        "(onednn: each draft token costs less; docs/user_guide.md)",
+        help=f"{whose}'s bf16 / float32 linear layers on CPU: torch's own (default) or oneDNN's fused linear "
+        "(onednn: an EAGLE-3 head's tokens cost less; a Llama draft model then leaves its fast decode step, "
+        "which reads plain layers, and costs more; docs/user_guide.md)",
     )
 
 

@@ -45,6 +45,9 @@ class RaceConfig:
     draft_linear: str = "default"
     #: a second draft for the arms marked ``beside`` (the best arm on another draft, raced in the same run), or None
     beside_draft: str | None = None
+    #: the beside draft's linear backend (each draft runs its own best: oneDNN's layers stop a Llama draft's fast
+    #: decode step, which reads plain ``nn.Linear`` weights)
+    beside_draft_linear: str = "default"
 
 
 def run_once(
@@ -199,20 +202,23 @@ def run_race(
     if any(a.beside for a in arms) and cfg.beside_draft is None:
         raise ValueError(f"arms {[a.name for a in arms if a.beside]} run with a beside draft; the config names none")
     drafts = {}
+    linear = {"race": cfg.draft_linear, "beside": cfg.beside_draft_linear}
     for key, folder in (("race", cfg.draft), ("beside", cfg.beside_draft)):
         if folder is None:
             continue
         d = models.load_model(folder, draft_precision(cfg.device, cfg.draft_precision), cfg.device)
-        apply_linear_backend(d, cfg.draft_linear, dtypes=ONEDNN_DTYPES)
+        apply_linear_backend(d, linear[key], dtypes=ONEDNN_DTYPES)
         d.generation_config.pad_token_id = None
         drafts[key] = d
-    draft = drafts["race"]
 
     def draft_of(arm: ArmSpec) -> Any:
         return drafts["beside" if arm.beside else "race"]
 
-    why = decode_step_blocker(draft)  # the hook's draft_forward='auto' decides the same way
-    draft_forward = "fast" if why is None else f"transformers ({why})"
+    def forward_of(d: Any) -> str:
+        why = decode_step_blocker(d)  # the hook's draft_forward='auto' decides the same way
+        return "fast" if why is None else f"transformers ({why})"
+
+    forwards = {key: forward_of(d) for key, d in drafts.items()}
     on_cuda = cfg.device.startswith("cuda")
 
     def stopwatch() -> float:
@@ -275,11 +281,19 @@ def run_race(
         "config": {
             "target": models.model_id(cfg.target),
             "draft": models.model_id(cfg.draft),
-            **({"beside_draft": models.model_id(cfg.beside_draft)} if cfg.beside_draft else {}),
+            **(
+                {
+                    "beside_draft": models.model_id(cfg.beside_draft),
+                    "beside_draft_linear": cfg.beside_draft_linear,
+                    "beside_draft_forward": forwards["beside"],
+                }
+                if cfg.beside_draft
+                else {}
+            ),
             "draft_precision": draft_precision(cfg.device, cfg.draft_precision),
             "target_linear": cfg.target_linear,
             "draft_linear": cfg.draft_linear,
-            "draft_forward": draft_forward,
+            "draft_forward": forwards["race"],
             "prompts": len(prompts),
             "max_new_tokens": cfg.max_new_tokens,
             "repeats": cfg.repeats,
