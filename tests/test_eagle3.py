@@ -21,6 +21,7 @@ from speckv_policy.hf.eagle3_train import (
     agreement,
     choose_vocabulary,
     extract_features,
+    first_draft_hits,
     fit_head_copy_gate,
     init_head,
     train_head,
@@ -512,6 +513,24 @@ def test_a_copy_gate_is_fitted_where_the_context_predicts_the_target():
     assert gate["a"][-1] > gate["a"][0]  # a match of 8 tokens earns more trust than one of 1
     assert agreement(head, emb, feats)["overall"] > plain + 0.2
     assert agreement(head, emb, feats, copy=False)["overall"] == plain
+
+
+def test_first_draft_hits_are_per_answer_position_and_add_up_to_the_agreement():
+    """One flag per answer token, in order: a target token no head can draft (id -1) at answer position k of text j
+    turns exactly that flag off; the flags' mean is the agreement."""
+    target, cfg, feats = _random_texts(4, 24, 5)
+    head = init_head(target, cfg, torch.arange(64))
+    emb = target.get_input_embeddings().weight.detach()
+    hits = first_draft_hits(head, emb, feats, copy=False)
+    assert [len(h) for h in hits] == [len(t["ids"]) - t["start"] for t in feats] and hits[0].dtype == torch.bool
+    total = sum(int(h.sum()) for h in hits) / sum(len(h) for h in hits)
+    assert agreement(head, emb, feats, copy=False)["overall"] == pytest.approx(total, abs=1e-4)
+    j, k = 2, int(hits[2].nonzero()[0])  # a hit, so the change shows
+    feats[j]["top_ids"] = feats[j]["top_ids"].clone()
+    feats[j]["top_ids"][k, 0] = -1
+    after = first_draft_hits(head, emb, feats, copy=False)
+    changed = [(a, b) for a in range(len(hits)) for b in range(len(hits[a])) if bool(hits[a][b]) != bool(after[a][b])]
+    assert changed == [(j, k)]
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ The loop (the speculators trainer expects an accelerator):
    top-k restricted to the head's vocabulary; later steps count only where every
    earlier step was right. Wall-clock budget, cosine schedule, checkpoints every
    few minutes (resumable), best checkpoint by agreement on validation answers.
-4. **Agreement** (:func:`agreement`): the head's first draft token equals the
-   target's greedy token, teacher-forced on answer positions (the measure
-   ``docs/draft.md`` uses for the distilled draft).
+4. **Agreement** (:func:`agreement`, per position :func:`first_draft_hits`): the
+   head's first draft token equals the target's greedy token, teacher-forced on
+   answer positions (the measure ``docs/draft.md`` uses for the distilled draft).
 """
 
 from __future__ import annotations
@@ -314,19 +314,33 @@ def _copy_inputs(text: dict[str, Any], max_match: int) -> tuple[torch.Tensor, to
     return torch.from_numpy(cand), torch.from_numpy(length)
 
 
-def agreement(
+def first_draft_hits(
     head: Eagle3Head, embed: torch.Tensor, texts: list[dict[str, Any]], *, copy: bool = True
-) -> dict[str, float]:
-    """Teacher-forced first-draft-token agreement with the target's greedy token, per task and overall.
+) -> list[torch.Tensor]:
+    """Per text, whether the head's first draft token equals the target's greedy token at each answer position.
 
-    Over every answer token: the head, reading the target's features up to the token before it, drafts it; a
-    target token outside the head's vocabulary counts as a miss, unless the head's copy gate (used when ``copy``
-    and the head has one, as the hook drafts) proposes it from the context.
+    Parameters
+    ----------
+    head : Eagle3Head
+        The head (its copy gate is used when ``copy`` and it has one, as the hook drafts).
+    embed : torch.Tensor
+        The target's input embedding ``[vocab, hidden]``.
+    texts : list of dict
+        Features of :func:`extract_features`.
+    copy : bool, default=True
+        Draft through the head's context-copy gate where it has one.
+
+    Returns
+    -------
+    list of torch.Tensor
+        One bool tensor per text, element ``k`` for answer token ``k`` (position ``start + k``): teacher-forced,
+        the head read the target's features up to the token before it. A target token outside the head's
+        vocabulary is a miss unless the copy gate proposes it from the context.
     """
     gate = head.copy_gate() if copy else None
     head_ids = head.target_ids()
     slots = _slots(head)
-    hits: dict[str, list[tuple[int, int]]] = {}
+    hits = []
     for t, logits, targets in _first_draft_rows(head, embed, texts):
         if gate is None:
             pred = head_ids[logits.argmax(-1)]
@@ -334,12 +348,25 @@ def agreement(
             cand, length = _copy_inputs(t, gate["max_match"])
             a, b = torch.tensor(gate["a"]), torch.tensor(gate["b"])
             pred = copy_argmax(logits, head_ids, slots, cand, length, a, b)
-        hits.setdefault(t["task_type"], []).append((int((pred == targets[:, 0]).sum()), len(pred)))
-    out_d: dict[str, float] = {}
-    for task, v in sorted(hits.items()):
-        out_d[task] = round(sum(h for h, _ in v) / max(1, sum(n for _, n in v)), 4)
-    every = [x for v in hits.values() for x in v]
-    out_d["overall"] = round(sum(h for h, _ in every) / max(1, sum(n for _, n in every)), 4)
+        hits.append(pred == targets[:, 0])
+    return hits
+
+
+def agreement(
+    head: Eagle3Head, embed: torch.Tensor, texts: list[dict[str, Any]], *, copy: bool = True
+) -> dict[str, float]:
+    """Teacher-forced first-draft-token agreement with the target's greedy token, per task and overall.
+
+    Over every answer token: :func:`first_draft_hits`, counted per ``task_type`` and over all texts.
+    """
+    counts: dict[str, list[int]] = {}
+    for t, hit in zip(texts, first_draft_hits(head, embed, texts, copy=copy)):
+        c = counts.setdefault(t["task_type"], [0, 0])
+        c[0] += int(hit.sum())
+        c[1] += len(hit)
+    out_d = {task: round(h / max(1, n), 4) for task, (h, n) in sorted(counts.items())}
+    hits, total = (sum(c[j] for c in counts.values()) for j in (0, 1))
+    out_d["overall"] = round(hits / max(1, total), 4)
     return out_d
 
 
