@@ -153,11 +153,11 @@ def test_e2e_smoke_on_tiny_pair(tiny_setup):
     assert run_e2e(args[:-2] + ["--doc", str(doc), *arms]) == 0
     text = doc.read_text()
     assert text.count(race.BEGIN) == 1 and "hf-heuristic" not in text
-    assert "(float32 linear layers on onednn)" in text and "linear layers on onednn;" in text
+    assert "(float32 linear layers on onednn)" in text
+    assert "linear layers on onednn, forward steps through the Llama decode step;" in text  # oneDNN in the step
     res = json.loads((d / "e2e.json").read_text())
     assert res["config"]["target_linear"] == "onednn" and res["config"]["draft_linear"] == "onednn"
-    assert res["config"]["draft_forward"].startswith("transformers (layer 0 q_proj is a OneDNNLinear")
-    assert "decode step" not in text  # a draft on oneDNN layers keeps its forward
+    assert res["config"]["draft_forward"] == "fast"
     assert res["mismatches"] == []
 
 
@@ -175,7 +175,7 @@ def test_a_second_draft_races_beside_in_the_same_run(tiny_setup):
     args += ["--beside-draft", str(twin), "--beside-prefix", "synthetic-", "--beside-arms", "gbt-repriced,fixed-4"]
     args += ["--beside-costs-out", str(d / "c2.json"), "--out", str(d / "b.json"), "--plot", str(d / "b.png")]
     args += ["--doc", str(d / "b.md")]
-    # each draft gets its own linear backend: oneDNN layers take a Llama draft off its fast decode step
+    # each draft gets its own linear backend (recorded with the draft and its calibration)
     linear = "onednn" if onednn_available() else "default"
     args += ["--draft-linear", linear]
     assert run_e2e(args) == 0
@@ -183,11 +183,7 @@ def test_a_second_draft_races_beside_in_the_same_run(tiny_setup):
     assert res["arms"] == ["target", "fixed-2", "gbt-repriced", "twin:fixed-4", "twin:gbt-repriced"]
     assert res["config"]["beside_draft"].endswith("twin")
     assert res["config"]["draft_linear"] == linear and res["config"]["beside_draft_linear"] == "default"
-    assert res["config"]["beside_draft_forward"] == "fast"
-    if linear == "onednn":
-        assert "not a plain torch.nn.Linear" in res["config"]["draft_forward"]
-    else:
-        assert res["config"]["draft_forward"] == "fast"
+    assert res["config"]["beside_draft_forward"] == "fast" and res["config"]["draft_forward"] == "fast"
     assert res["calibration"]["draft_linear"] == linear and res["beside_calibration"]["draft_linear"] == "default"
     assert res["beside_calibration"]["file"] == str(d / "c2.json") and (d / "c2.json").is_file()
     assert res["beside_calibration"]["draft"] == str(twin) and res["beside_calibration"]["steps"] > 0

@@ -9,10 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import DynamicCache
 
 from speckv_policy.hf import attach
 from speckv_policy.hf.fast_draft import LlamaDecodeStep, decode_step_blocker
-from speckv_policy.hf.onednn import fused_linear_available, use_onednn_linear
+from speckv_policy.hf.onednn import OneDNNLinear, fused_linear_available, use_onednn_linear
 from speckv_policy.testing import tiny_llama_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*generation_config.*together.*")
@@ -99,23 +100,50 @@ def test_blocker_names_what_the_step_cannot_compute(pair):
     assert decode_step_blocker(biased) == "attention or MLP biases"
     swapped = copy.deepcopy(draft)
     swapped.model.layers[1].mlp.up_proj = torch.nn.Identity()
-    assert decode_step_blocker(swapped) == "layer 1 up_proj is a Identity, not a plain torch.nn.Linear"
+    assert decode_step_blocker(swapped) == (
+        "layer 1 up_proj is a Identity, not a plain torch.nn.Linear (or its OneDNNLinear)"
+    )
     assert decode_step_blocker(torch.nn.Linear(2, 2)) == "not a Llama model (Linear)"
     with pytest.raises(ValueError, match="cannot run this model: attention or MLP biases"):
         LlamaDecodeStep(biased)
 
 
 @pytest.mark.skipif(not fused_linear_available(), reason="no oneDNN fused linear in this torch build")
-def test_a_draft_on_onednn_layers_keeps_its_forward(pair):
+def test_a_layer_with_both_kinds_of_projection_keeps_its_forward(pair):
+    mixed = copy.deepcopy(pair[1])
+    mixed.model.layers[0].self_attn.k_proj = OneDNNLinear(mixed.model.layers[0].self_attn.k_proj)
+    assert decode_step_blocker(mixed) == "layer 0 mixes torch.nn.Linear and OneDNNLinear attention projections"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_on_onednn_layers_takes_the_decode_step(pair, dtype):
+    """Converted by use_onednn_linear, the draft's step gives the converted model's own logits through feeds and
+    crops, and the hook drafts through it with the target's output."""
+    if not fused_linear_available(dtype):
+        pytest.skip(f"no oneDNN fused linear in {dtype} in this torch build")
     target, draft = pair
-    converted = copy.deepcopy(draft)
-    use_onednn_linear(converted)
-    assert "not a plain torch.nn.Linear" in decode_step_blocker(converted)
-    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    converted = copy.deepcopy(draft).to(dtype)
+    assert use_onednn_linear(converted, dtypes=(dtype,)) == 2 * 7 + 1
+    assert decode_step_blocker(converted) is None
+    step = LlamaDecodeStep(converted)
+    cache = DynamicCache()  # the model's own forward, fed the same chunks (in bf16 the chunking moves the rounding)
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(4))
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for end, drop in ((12, 0), (15, 2), (16, 0), (20, 3), (21, 0)):
+        if drop:
+            step.truncate(step.length - drop)
+            cache.crop(-drop)
+        chunk = ids[:, step.length : end]
+        got = step(chunk)
+        with torch.no_grad():
+            want = converted(input_ids=chunk, cache=cache, use_cache=True).logits[:, -1:]
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        torch.testing.assert_close(got.float(), _full_logits(converted, ids[:, :end]).float(), rtol=0.1, atol=0.1)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
     with attach(target, lambda s: 3, compression="fp32", mode="fixed") as h:
-        out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=converted)
-    assert h.draft_forward.startswith("transformers (layer 0 q_proj is a OneDNNLinear")
-    assert torch.equal(out, target.generate(ids, max_new_tokens=12, do_sample=False))
+        out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=converted)
+    assert h.draft_forward == "fast"
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=12, do_sample=False))
 
 
 def _steps(target, draft, ids, n_new, gammas, how, sample=False):
@@ -189,7 +217,7 @@ def test_shipped_draft_gives_its_forwards_logits_with_its_copy_mixture():
     for feed in feeds:
         past = cache.get_seq_length()
         with torch.no_grad():
-            want = draft(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            want = draft(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1).logits
         got = step(feed)
         assert step.length == past + feed.shape[1]
         finite = torch.isfinite(want)

@@ -45,8 +45,7 @@ class RaceConfig:
     draft_linear: str = "default"
     #: a second draft for the arms marked ``beside`` (the best arm on another draft, raced in the same run), or None
     beside_draft: str | None = None
-    #: the beside draft's linear backend (each draft runs its own best: oneDNN's layers stop a Llama draft's fast
-    #: decode step, which reads plain ``nn.Linear`` weights)
+    #: the beside draft's linear backend (each draft with its own, as calibrated for it)
     beside_draft_linear: str = "default"
 
 
