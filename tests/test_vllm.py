@@ -27,71 +27,94 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
 
 
-def _run_vllm(args: list[str]) -> subprocess.CompletedProcess:
+def _run_vllm(args: list[str], timeout: float = 1200) -> subprocess.CompletedProcess:
     """``args`` run by vLLM's environment's Python from the repository root."""
     cmd = [str(VLLM_PYTHON), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200, check=False)
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _drive(
-    how: str,
-    policy: str,
-    prompts: int,
-    max_tokens: int,
-    costs: str | None = None,
-    draft: str = "datasets/smollm2/draft",
-) -> dict:
+GATED = "exported/smollm2-gbt-gated.onnx"
+HEAD_K = 3  # the head's fixed draft length in vLLM's own EAGLE-3 proposer
+MAX_TOKENS = {"gated": 64, "server": 48, "eagle3": 64, "priced": 32}  # per run of the vllm_runs fixture
+
+
+@pytest.fixture(scope="module")
+def batch_costs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``speckv-calibrate --engine vllm`` at batch sizes 1 and 4: the file and the finished command."""
+    out = tmp_path_factory.mktemp("vllm") / "batch-costs.json"
+    r = _run_vllm(
+        ["-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", str(out), "--batch-sizes", "1,4"]
+        + ["--max-new-tokens", "16"]
+    )
+    return out, r
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(batch_costs) -> dict:
+    """Every engine run of this module in one process of vLLM's environment (``tests/vllm_driver.py``): vLLM is
+    imported and its reference without speculation built once, on four held-out prompts, greedy."""
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
+    draft = "datasets/smollm2/draft"
+    runs = [
+        {"name": "gated", "how": "offline", "draft": draft, "policy": GATED},
+        {"name": "server", "how": "server", "draft": draft, "policy": GATED},
+        {"name": "eagle3", "how": "offline", "draft": "datasets/smollm2/eagle3", "policy": HEAD_K},
+    ]
+    costs, calibrated = batch_costs
+    if calibrated.returncode == 0:  # the policy priced for each step's batch (its test reports a failed calibration)
+        runs.append({"name": "priced", "how": "offline", "draft": draft, "policy": GATED, "costs": str(costs)})
+    runs = [{**run, "max_tokens": MAX_TOKENS[run["name"]]} for run in runs]
     target = smollm2_safetensors()  # the HF folder vLLM loads (written once from the shipped GGUF)
-    r = _run_vllm(
-        [str(ROOT / "tests" / "vllm_driver.py"), how, str(target), draft]
-        + [policy, str(prompts), str(max_tokens)]
-        + ([costs] if costs else [])
-    )
+    r = _run_vllm([str(ROOT / "tests" / "vllm_driver.py"), str(target), "4", json.dumps(runs)], timeout=2400)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-4000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def test_greedy_outputs_through_vllm_with_the_gated_policy_equal_vllm_without_speculation():
-    out = _drive("offline", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=64)
-    assert len(out["prompts"]) == 4
-    for pid, plain, spec in zip(out["prompts"], out["plain"], out["speckv"]):
+def _run(results: dict, name: str, *, text: bool = False) -> tuple[dict, list[tuple[str, object, object]]]:
+    """Run ``name``'s result and, per prompt, (prompt id, vLLM's continuation without speculation, the run's)."""
+    run = results["runs"][name]
+    assert "error" not in run, run.get("error")
+    plain = results["plain"][str(MAX_TOKENS[name])]["text" if text else "ids"]
+    assert len(results["prompts"]) == len(plain) == len(run["speckv"]) == 4
+    return run, list(zip(results["prompts"], plain, run["speckv"]))
+
+
+def test_greedy_outputs_through_vllm_with_the_gated_policy_equal_vllm_without_speculation(vllm_runs):
+    run, outputs = _run(vllm_runs, "gated")
+    for pid, plain, spec in outputs:
         assert spec == plain, pid
-    counts = out["spec"]
+    counts = run["spec"]
     # the proposer drafted, vLLM verified, some drafts were kept: speculation really ran
     assert counts["vllm:spec_decode_num_drafts"] > 0
     assert counts["vllm:spec_decode_num_draft_tokens"] >= counts["vllm:spec_decode_num_drafts"]
     assert counts["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-def test_the_openai_server_with_the_proposer_answers_concurrent_requests_as_vllm_without_speculation():
-    out = _drive("server", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=48)
-    for pid, plain, spec in zip(out["prompts"], out["plain"], out["speckv"]):
+def test_the_openai_server_with_the_proposer_answers_concurrent_requests_as_vllm_without_speculation(vllm_runs):
+    run, outputs = _run(vllm_runs, "server", text=True)
+    for pid, plain, spec in outputs:
         assert spec == plain, pid
-    counts = out["spec"]
+    counts = run["spec"]
     assert counts["vllm:spec_decode_num_drafts_total"] > 0
     assert counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
 
 
-def test_batch_costs_measured_inside_vllm_price_the_policy_and_outputs_stay_vllms(tmp_path):
+def test_batch_costs_measured_inside_vllm_price_the_policy_and_outputs_stay_vllms(batch_costs, vllm_runs):
     from speckv_policy.batch_costs import BatchCosts
 
-    out = tmp_path / "batch-costs.json"
-    r = _run_vllm(
-        ["-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", str(out), "--batch-sizes", "1,4"]
-        + ["--max-new-tokens", "16"]
-    )
+    out, r = batch_costs
     assert r.returncode == 0, r.stderr[-4000:]
     costs = BatchCosts.load(out)
     assert {1, 4} <= set(costs.batch_sizes) and "batch   4: per request" in r.stdout
     # one request's share of a step's fixed part shrinks as four requests share it (measured: about 3x here)
     assert costs.at(4).verify_base_ms[0] < 0.75 * costs.at(1).verify_base_ms[0]
     # the policy priced for each step's batch: greedy outputs still vLLM's own, four requests at once
-    res = _drive("offline", "exported/smollm2-gbt-gated.onnx", prompts=4, max_tokens=32, costs=str(out))
-    for pid, plain, spec in zip(res["prompts"], res["plain"], res["speckv"]):
+    run, outputs = _run(vllm_runs, "priced")
+    for pid, plain, spec in outputs:
         assert spec == plain, pid
+    assert run["spec"]["vllm:spec_decode_num_drafts"] > 0
 
 
 def test_the_shipped_eagle3_head_is_a_speculators_eagle3_folder(tmp_path):
@@ -129,7 +152,7 @@ def test_the_head_computes_what_speculators_own_model_computes(tmp_path):
         assert res["own_embedding"] == (name == "trained_embedding"), name
 
 
-def test_vllm_serves_the_shipped_eagle3_head_and_accepts_what_the_hook_accepts():
+def test_vllm_serves_the_shipped_eagle3_head_and_accepts_what_the_hook_accepts(vllm_runs):
     """vLLM's own EAGLE-3 proposer drafts the shipped head: greedy outputs are vLLM's without speculation, and on those
     same contexts it keeps as many draft tokens per step as the hook keeps with the same head in Hugging Face generate
     (features read at the same layers, the same d2t map; a misread folder would keep almost none)."""
@@ -139,11 +162,11 @@ def test_vllm_serves_the_shipped_eagle3_head_and_accepts_what_the_hook_accepts()
     from speckv_policy.hf import attach, load_eagle3
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
-    k, max_tokens = 3, 64
-    out = _drive("offline", str(k), prompts=4, max_tokens=max_tokens, draft="datasets/smollm2/eagle3")
-    for pid, plain, spec in zip(out["prompts"], out["plain"], out["speckv"]):
+    k, max_tokens = HEAD_K, 64
+    run, outputs = _run(vllm_runs, "eagle3")
+    for pid, plain, spec in outputs:
         assert spec == plain, pid
-    counts = out["spec"]
+    counts = run["spec"]
     drafts, accepted = counts["vllm:spec_decode_num_drafts"], counts["vllm:spec_decode_num_accepted_tokens"]
     assert drafts > 0 and counts["vllm:spec_decode_num_draft_tokens"] == k * drafts and accepted > 0
 
@@ -151,7 +174,7 @@ def test_vllm_serves_the_shipped_eagle3_head_and_accepts_what_the_hook_accepts()
     head = load_eagle3(ROOT / "datasets" / "smollm2" / "eagle3")
     head.clear_copy_gate()  # vLLM reads the speculators files only: the head as it serves it, without speckv's gate
     with attach(target, k) as handle:
-        for ids, plain in zip(out["prompt_token_ids"], out["plain"]):
+        for ids, (_, plain, _) in zip(vllm_runs["prompt_token_ids"], outputs):
             got = target.generate(torch.tensor([ids]), assistant_model=head, max_new_tokens=max_tokens, do_sample=False)
             assert got[0, len(ids) :].tolist() == plain
         steps = [s for s in handle.stats if s.gamma > 0]
