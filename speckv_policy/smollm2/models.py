@@ -15,7 +15,7 @@ from typing import Any
 
 from ..hf import models as hf_models
 from .draft_model import DRAFT_META, load_draft
-from .gguf import SMOLLM2_ID, smollm2_path, smollm2_safetensors
+from .gguf import SMOLLM2_ID, smollm2_safetensors
 
 SMOLLM2 = "smollm2"
 
@@ -43,9 +43,8 @@ def _check_spec(spec: str) -> None:
 def load_tokenizer(spec: str) -> Any:
     """Tokenizer of ``spec``, or None when the folder has none (tiny test models)."""
     _check_spec(spec)
-    if spec == SMOLLM2:
-        folder, name = smollm2_path()
-        return hf_models.load_tokenizer(folder, gguf_file=name)
+    if spec == SMOLLM2:  # the converted copy's: the GGUF's, without parsing the GGUF each time
+        return hf_models.load_tokenizer(smollm2_safetensors())
     return hf_models.load_tokenizer(spec)
 
 
@@ -62,11 +61,8 @@ def load_model(
         if compression not in ("fp32", "fp16", "bf16"):
             raise ValueError("the distilled draft runs in full precision (fp32, bf16 or fp16)")
         return load_draft(spec, device=device, dtype=hf_models.full_precision_dtype(compression))
-    if spec == SMOLLM2:
-        if compression in ("int8", "nf4"):
-            return hf_models.load_model(smollm2_safetensors(), compression, device, llm_int8_threshold)
-        folder, name = smollm2_path()
-        return hf_models.load_model(folder, compression, device, llm_int8_threshold, gguf_file=name)
+    if spec == SMOLLM2:  # the GGUF's weights, dequantised once (speckv_policy.smollm2.gguf)
+        return hf_models.load_model(smollm2_safetensors(), compression, device, llm_int8_threshold)
     return hf_models.load_model(spec, compression, device, llm_int8_threshold)
 
 
