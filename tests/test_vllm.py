@@ -165,7 +165,7 @@ def test_vllm_serves_the_shipped_eagle3_head_and_accepts_what_the_hook_accepts(v
     from speckv_policy.hf import attach, load_eagle3
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
-    k, max_tokens = HEAD_K, 64
+    k, max_tokens = HEAD_K, MAX_TOKENS["eagle3"]
     run, outputs = _run(vllm_runs, "eagle3")
     for pid, plain, spec in outputs:
         assert spec == plain, pid
