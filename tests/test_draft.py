@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
+import copy
+
 import pytest
 import torch
 
@@ -54,12 +55,20 @@ def test_train_save_load_round_trip(corpus, tmp_path):
     assert 0.0 <= meta["heldout_agreement"]["overall"] <= 1.0
     save_draft(model, tmp_path / "d", meta)
     loaded = load_draft(tmp_path / "d")
+    # fp16 storage: the loaded draft is the trained one with its own weights (not the target's embedding) rounded
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, w in rounded.state_dict().items():
+            if w.is_floating_point() and not name.startswith("model.embed_tokens"):
+                w.copy_(w.half().float())
     ids = corpus["ids"][0][None].long()
     with torch.no_grad():
-        a, b = model(ids).logits, loaded(ids).logits
+        a, b, r = model(ids).logits, loaded(ids).logits, rounded(ids).logits
     finite = torch.isfinite(a)
     assert torch.equal(finite, torch.isfinite(b)) and int(finite[0, 0].sum()) == 512
-    np.testing.assert_allclose(a[finite].numpy(), b[finite].numpy(), atol=0.05)  # fp16 storage
+    torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-4)
+    # and rounding moves no logit by more than 1% of the largest: a time-budgeted run's weights vary in size
+    assert (a[finite] - b[finite]).abs().max() <= 0.01 * a[finite].abs().max()
     with pytest.raises(FileNotFoundError, match="a speckv distilled draft"):
         load_draft(tmp_path)
 
