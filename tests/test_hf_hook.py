@@ -139,9 +139,13 @@ def _two_token_counts(model, ids, vocab, n, **kwargs):
     return counts
 
 
-def _assisted_vs_draft_sampling(target, draft, ids, vocab, n=1500, mode="upfront"):
+SAMPLING_DRAWS = 1500
+
+
+def _assisted_vs_draft_sampling(target, draft, ids, vocab, n=SAMPLING_DRAWS, mode="upfront", draft_counts=None):
     """Chi-square p-values of assisted sampling (random gamma 0..3) and of the draft's own samples
-    against the target's exact two-token distribution; also the hook handle and the draft's counts."""
+    against the target's exact two-token distribution; also the hook handle and the draft's counts
+    (``draft_counts``: the draft's own ``n`` counts when a caller has drawn them already)."""
     joint = _exact_joint(target, ids, vocab)
     rng = np.random.default_rng(0)
     fs = mode if mode in ("pre", "gated") else "online"
@@ -157,14 +161,28 @@ def _assisted_vs_draft_sampling(target, draft, ids, vocab, n=1500, mode="upfront
         policy = StopRule({("fp32", "sampling"): pair}, cost)
     with attach(target, policy, compression="fp32", mode=mode, feature_set=fs) as h:
         counts = _two_token_counts(target, ids, vocab, n, assistant_model=draft)
-    draft_counts = _two_token_counts(draft, ids, vocab, n)
+    if draft_counts is None:
+        draft_counts = _two_token_counts(draft, ids, vocab, n)
     return h, _chi2_pvalue(counts, joint), _chi2_pvalue(draft_counts, joint), draft_counts
 
 
+SAMPLING_PAIR = {"vocab_size": 12, "hidden_size": 32, "noise": 0.3, "seed": 3, "init_range": 0.15}
+
+
+@pytest.fixture(scope="module")
+def draft_samples():
+    """The draft's own two-token counts: the same draft and seeds in every mode below, so drawn once."""
+    _, draft = tiny_llama_pair(**SAMPLING_PAIR)
+    return _two_token_counts(draft, torch.tensor([[1, 2, 3]]), 12, SAMPLING_DRAWS)
+
+
 @pytest.mark.parametrize("mode", ["upfront", "pre", "gated", "stop"])
-def test_sampling_keeps_the_target_distribution(mode):
-    target, draft = tiny_llama_pair(vocab_size=12, hidden_size=32, noise=0.3, seed=3, init_range=0.15)
-    h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(target, draft, torch.tensor([[1, 2, 3]]), 12, mode=mode)
+def test_sampling_keeps_the_target_distribution(mode, draft_samples):
+    target, draft = tiny_llama_pair(**SAMPLING_PAIR)
+    ids = torch.tensor([[1, 2, 3]])
+    h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(
+        target, draft, ids, 12, mode=mode, draft_counts=draft_samples
+    )
     assert h.summary()["acceptance"] > 0.2 and max(s.gamma for s in h.stats) >= 1
     if mode == "stop":  # the rule's choices really vary: plain steps after the probe, one token, longer drafts
         assert {0, 1} <= {s.gamma for s in h.stats}  # two new tokens: one draft token at most
