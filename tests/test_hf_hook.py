@@ -167,21 +167,22 @@ def _assisted_vs_draft_sampling(target, draft, ids, vocab, n=SAMPLING_DRAWS, mod
 
 
 SAMPLING_PAIR = {"vocab_size": 12, "hidden_size": 32, "noise": 0.3, "seed": 3, "init_range": 0.15}
+SAMPLING_PROMPT = [[1, 2, 3]]
 
 
 @pytest.fixture(scope="module")
 def draft_samples():
     """The draft's own two-token counts: the same draft and seeds in every mode below, so drawn once."""
     _, draft = tiny_llama_pair(**SAMPLING_PAIR)
-    return _two_token_counts(draft, torch.tensor([[1, 2, 3]]), 12, SAMPLING_DRAWS)
+    return _two_token_counts(draft, torch.tensor(SAMPLING_PROMPT), SAMPLING_PAIR["vocab_size"], SAMPLING_DRAWS)
 
 
 @pytest.mark.parametrize("mode", ["upfront", "pre", "gated", "stop"])
 def test_sampling_keeps_the_target_distribution(mode, draft_samples):
     target, draft = tiny_llama_pair(**SAMPLING_PAIR)
-    ids = torch.tensor([[1, 2, 3]])
+    ids, vocab = torch.tensor(SAMPLING_PROMPT), SAMPLING_PAIR["vocab_size"]
     h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(
-        target, draft, ids, 12, mode=mode, draft_counts=draft_samples
+        target, draft, ids, vocab, mode=mode, draft_counts=draft_samples
     )
     assert h.summary()["acceptance"] > 0.2 and max(s.gamma for s in h.stats) >= 1
     if mode == "stop":  # the rule's choices really vary: plain steps after the probe, one token, longer drafts
