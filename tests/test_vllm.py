@@ -117,7 +117,15 @@ def test_batch_costs_measured_inside_vllm_price_the_policy_and_outputs_stay_vllm
     run, outputs = _run(vllm_runs, "priced")
     for pid, plain, spec in outputs:
         assert spec == plain, pid
-    assert run["spec"]["vllm:spec_decode_num_drafts"] > 0
+    # ... and it drafts less than unpriced: in a batch of 4 one request's share of the target's pass shrinks while its
+    # drafting does not, so a drafted token pays less often (the vLLM race's best table drafts nothing from batch 4 on;
+    # whether the priced policy drafts at all here turns on the day's measurement, so no count of drafts is asserted)
+    unpriced, _ = _run(vllm_runs, "gated")
+
+    def drafted_per_token(r: dict) -> float:
+        return r["spec"].get("vllm:spec_decode_num_draft_tokens", 0) / sum(len(ids) for ids in r["speckv"])
+
+    assert drafted_per_token(run) < 0.75 * drafted_per_token(unpriced)
 
 
 def test_the_shipped_eagle3_head_is_a_speculators_eagle3_folder(tmp_path):
