@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..hf.profiler import ProfileConfig, profile
 from ..logs import LogValidationError
 from ..prompts import PromptFileError, read_prompts
 from ..schema import COMPRESSIONS, DECODINGS
-from ..smollm2.models import SMOLLM2_MODELS
 from .common import (
     add_draft_linear_argument,
     add_draft_precision_argument,
@@ -109,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         except argparse.ArgumentTypeError as exc:
             p.error(f"argument --device: {exc}")
     exit_cleanly_on_sigterm()
+    # torch and transformers only now: --help and a bad argument answer in a fraction of a second, not ~10 s
+    from ..hf.profiler import ProfileConfig, profile
+    from ..smollm2.models import SMOLLM2_MODELS
+
     try:
         prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
         cfg = ProfileConfig(
