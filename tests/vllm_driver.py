@@ -9,7 +9,7 @@ stops it. A run that fails returns its error, and the others still run.
 
 The reference and the offline runs keep vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
 the same engine, scheduler and proposer, without a fresh process per engine that imports torch and vLLM again (measured
-here: the five engines in 119 s instead of 293). The server run keeps vLLM's default, its engine core in a process of
+here: the reference and three offline engines in 73 s instead of 226). The server run keeps vLLM's default, its engine core in a process of
 its own, as a deployment runs it, so the proposer's settings still cross a process boundary in one run.
 
 Usage: ``python tests/vllm_driver.py TARGET_FOLDER N_PROMPTS RUNS_JSON``, RUNS_JSON a list of ``{"name", "how":
