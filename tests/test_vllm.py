@@ -35,7 +35,8 @@ def _run_vllm(args: list[str], timeout: float = 1200) -> subprocess.CompletedPro
 
 GATED = "exported/smollm2-gbt-gated.onnx"
 HEAD_K = 3  # the head's fixed draft length in vLLM's own EAGLE-3 proposer
-MAX_TOKENS = {"gated": 64, "server": 48, "eagle3": 64, "priced": 64}  # per run of the vllm_runs fixture
+HEAD_TABLE = [[1, 3, HEAD_K], [4, 256, 1]]  # the head at vLLM's Dynamic SD: K = 1 while the four prompts run together
+MAX_TOKENS = {"gated": 64, "server": 48, "eagle3": 64, "eagle3-table": 64, "priced": 64}  # per vllm_runs run
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,13 @@ def vllm_runs(batch_costs) -> dict:
         {"name": "gated", "how": "offline", "draft": draft, "policy": GATED},
         {"name": "server", "how": "server", "draft": draft, "policy": GATED},
         {"name": "eagle3", "how": "offline", "draft": "datasets/smollm2/eagle3", "policy": HEAD_K},
+        {
+            "name": "eagle3-table",
+            "how": "offline",
+            "draft": "datasets/smollm2/eagle3",
+            "policy": 2,
+            "batch_schedule": HEAD_TABLE,
+        },
     ]
     costs, calibrated = batch_costs
     if calibrated.returncode == 0:  # the policy priced for each step's batch (its test reports a failed calibration)
@@ -193,3 +201,23 @@ def test_vllm_serves_the_shipped_eagle3_head_and_accepts_what_the_hook_accepts(v
         f"the hook {hook:.2f} per drafting step ({len(steps)} steps)"
     )
     assert abs(accepted / drafts - hook) < 0.15, (accepted / drafts, hook)
+
+
+def test_vllm_drafts_the_head_at_the_k_its_dynamic_sd_table_gives_each_batch_size(vllm_runs):
+    """``speculative_config(head, batch_schedule=...)``: vLLM's scheduler looks K up by the step's batch size and its
+    EAGLE-3 proposer drafts that many. Four prompts at once draft K = 1 per request (the table's batch >= 4), and
+    HEAD_K only once some have finished; greedy outputs stay vLLM's own."""
+    run, outputs = _run(vllm_runs, "eagle3-table")
+    for pid, plain, spec in outputs:
+        assert spec == plain, pid
+    counts = run["spec"]
+    drafts, drafted = counts["vllm:spec_decode_num_drafts"], counts["vllm:spec_decode_num_draft_tokens"]
+    assert drafts > 0 and counts["vllm:spec_decode_num_accepted_tokens"] > 0
+    ended_early = sum(len(plain) < MAX_TOKENS["eagle3-table"] for _, plain, _ in outputs)
+    print(f"vLLM with the table drafted {drafted} tokens in {drafts} drafts; {ended_early} of 4 prompts ended early")
+    if ended_early == 0:  # the four ran together to the end: every step at batch 4
+        assert drafted == drafts
+    else:  # K = 1 until the first ended, HEAD_K after: never HEAD_K all through
+        assert drafts <= drafted < HEAD_K * drafts
+    fixed, _ = _run(vllm_runs, "eagle3")  # the same head at HEAD_K throughout, the same prompts
+    assert drafted < fixed["spec"]["vllm:spec_decode_num_draft_tokens"]

@@ -136,6 +136,30 @@ def test_an_eagle3_head_goes_to_vllms_own_proposer_at_a_fixed_length():
         speculative_config(head, 2, environ=env, costs="c.json", timings="t.jsonl")
 
 
+def test_an_eagle3_head_drafts_at_vllms_dynamic_sd_table_when_given_one():
+    """vLLM's scheduler looks the K up per step in the table and its EAGLE-3 proposer drafts it (tests/test_vllm.py
+    runs it); num_speculative_tokens caps every K, so it is the table's largest, and at least 1."""
+    head = str(ROOT / "datasets" / "smollm2" / "eagle3")
+    env: dict[str, str] = {}
+    spec = speculative_config(head, batch_schedule=[[1, 3, 3], [4, 256, 1]], environ=env)
+    assert spec == {
+        "method": "eagle3",
+        "model": head,
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 256, 1]],
+    }
+    assert ENV_VAR not in env
+    off = speculative_config(head, batch_schedule=[[1, 2, 0], [3, 16, 0]], environ=env)
+    assert off["num_speculative_tokens"] == 1 and off["num_speculative_tokens_per_batch_size"] == [
+        [1, 2, 0],
+        [3, 16, 0],
+    ]
+    with pytest.raises(ValueError, match="overlaps or precedes"):
+        speculative_config(head, batch_schedule=[[1, 4, 2], [3, 8, 1]], environ=env)
+    with pytest.raises(ValueError, match="either a policy or a batch_schedule"):
+        speculative_config(head, 3, batch_schedule=[[1, 4, 2]], environ=env)
+
+
 def test_a_fixed_gamma_drafts_exactly_that_and_tracks_each_request(pair_dir):
     target, draft = pair_dir
     p = _proposer(draft, 3)

@@ -13,9 +13,10 @@ here: the reference and three offline engines in 73 s instead of 226). The serve
 its own, as a deployment runs it, so the proposer's settings still cross a process boundary in one run.
 
 Usage: ``python tests/vllm_driver.py TARGET_FOLDER N_PROMPTS RUNS_JSON``, RUNS_JSON a list of ``{"name", "how":
-"offline"|"server", "draft", "policy", "max_tokens", "costs"}`` (policy: an export, an int gamma or a named rule;
-costs, optional: a cost or batch cost file). A draft that is an EAGLE-3 head folder is drafted by vLLM's own EAGLE-3
-proposer at the int policy (``speculative_config``).
+"offline"|"server", "draft", "policy", "max_tokens", "costs", "batch_schedule"}`` (policy: an export, an int gamma or
+a named rule; costs, optional: a cost or batch cost file; batch_schedule, optional: vLLM's Dynamic SD table, with the
+policy left at 2). A draft that is an EAGLE-3 head folder is drafted by vLLM's own EAGLE-3 proposer at the int policy
+or the table's K (``speculative_config``).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def main() -> None:
                 max_gamma=8,
                 draft_loader="speckv_policy.smollm2.models.load_model",
                 costs=run.get("costs"),
+                batch_schedule=run.get("batch_schedule"),
             )
             done[run["name"]] = {"offline": offline, "server": server}[run["how"]](
                 target, spec, texts, int(run["max_tokens"])

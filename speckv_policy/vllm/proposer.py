@@ -178,14 +178,16 @@ def speculative_config(
     dict
         ``{"method": "custom_class", "model": "speckv_policy.vllm.SpeckvProposer", "num_speculative_tokens": ...}``;
         for an EAGLE-3 head folder (speculators format) and an int ``policy``, vLLM's own EAGLE-3 proposer:
-        ``{"method": "eagle3", "model": draft, "num_speculative_tokens": policy}``.
+        ``{"method": "eagle3", "model": draft, "num_speculative_tokens": policy}``; with a ``batch_schedule``, the
+        same proposer at the K vLLM's scheduler looks up per step in that table
+        (``"num_speculative_tokens_per_batch_size"``, ``"num_speculative_tokens"`` its largest K).
 
     Raises
     ------
     ValueError
-        For bad settings, and for an EAGLE-3 head with anything but a fixed int ``policy`` >= 1: vLLM drafts such a
-        head with its own proposer, which drafts one fixed length; a policy sizes a head's drafts in Hugging Face
-        ``generate`` (:func:`speckv_policy.hf.attach`).
+        For bad settings, and for an EAGLE-3 head with anything but a fixed int ``policy`` >= 1 or a
+        ``batch_schedule``: vLLM drafts such a head with its own proposer, which drafts one length per step for the
+        whole batch; a policy sizes a head's drafts in Hugging Face ``generate`` (:func:`speckv_policy.hf.attach`).
     """
     if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
         raise ValueError(f"max_gamma must be an int >= 1, got {max_gamma!r}")
@@ -243,19 +245,27 @@ _HEAD_NEUTRAL = ("draft_loader", "device", "compression", "temperature")
 
 
 def _eagle3_config(draft: str, policy: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's own EAGLE-3 proposer drafting the head folder ``draft`` ``policy`` tokens per step."""
+    """vLLM's own EAGLE-3 proposer drafting the head folder ``draft``: ``policy`` tokens per step, or per step the K
+    that vLLM's Dynamic SD table (``batch_schedule``) gives the step's batch size."""
     if isinstance(policy, bool) or not isinstance(policy, int) or policy < 1:
         raise ValueError(
-            f"{draft} is an EAGLE-3 head: vLLM drafts it with its own EAGLE-3 proposer, which drafts one fixed "
-            f"length; give an int policy >= 1 (got {policy!r}). A speckv policy sizes a head's drafts in Hugging "
-            "Face generate (speckv_policy.hf.attach)"
+            f"{draft} is an EAGLE-3 head: vLLM drafts it with its own EAGLE-3 proposer, which drafts one length per "
+            f"step for the whole batch; give an int policy >= 1 (got {policy!r}) or a batch_schedule. A speckv policy "
+            "sizes a head's drafts in Hugging Face generate (speckv_policy.hf.attach)"
         )
     given = ProposerSettings(draft=draft, policy=policy, **settings)  # the same checks as any draft's settings
     plain = ProposerSettings(draft=draft, policy=policy)
-    other = sorted(k for k in settings if k not in _HEAD_NEUTRAL and getattr(given, k) != getattr(plain, k))
+    neutral = (*_HEAD_NEUTRAL, "batch_schedule")
+    other = sorted(k for k in settings if k not in neutral and getattr(given, k) != getattr(plain, k))
     if other:
         raise ValueError(f"{draft} is an EAGLE-3 head, drafted by vLLM's own proposer: {', '.join(other)} do not apply")
-    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(policy)}
+    spec: dict[str, Any] = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(policy)}
+    if given.batch_schedule is not None:
+        table = DynamicSDTable(given.batch_schedule).as_config()
+        # vLLM caps every K at num_speculative_tokens, which must be >= 1 even where the table never drafts
+        spec["num_speculative_tokens"] = max(1, *(k for _, _, k in table))
+        spec["num_speculative_tokens_per_batch_size"] = table
+    return spec
 
 
 def _import(path: str) -> Callable[..., Any]:
