@@ -115,13 +115,16 @@ def replay_features(
     gated = fs.name == GATED.name
     steps = log.loc[logged.index]
     order = steps.sort_values(["run_id", "prompt_id", "step"], kind="stable")
-    runs = [grp for _, grp in order.groupby(["run_id", "prompt_id"], sort=False)]
+    # each run's rows are contiguous in that order: one pass over the rows, cut at the runs' ends (a pass per run
+    # costs pandas a column lookup per column and run, most of this function's time on a large log)
+    rows_in_order = list(zip(order.index, order.itertuples(index=False)))
+    ends = np.cumsum(order.groupby(["run_id", "prompt_id"], sort=False).size().to_numpy())
+    records = [rows_in_order[a:b] for a, b in zip([0, *ends[:-1]], ends)]
     states = []
-    for grp in runs:
-        r0 = grp.iloc[0]
+    for rec in records:
+        r0 = rec[0][1]
         temp = float(r0.temperature) if r0.decoding == "sampling" else 0.0
         states.append(OnlineFeatureState(r0.compression, temp))
-    records = [list(zip(grp.index, grp.itertuples(index=False))) for grp in runs]
     X = np.empty((len(logged), fs.n_features), dtype=np.float32)
     chosen = np.empty(len(logged), dtype=np.int64)
     opened = np.empty(len(logged), dtype=bool)
