@@ -310,14 +310,15 @@ def test_dense_replay_benchmark_on_the_logs_heldout_prompts_without_a_race():
 
 
 def test_dense_replay_benchmark_in_sampling():
-    """--decoding sampling on two held-out prompts: the texts are sampled, every arm walks the same draws."""
-    args = ["--all-heldout", "--compressions", "nf4", "--max-prompts", "2", "--decoding", "sampling"]
+    """--decoding sampling on two held-out prompts: the texts are sampled, every arm walks the same draws (fp32: the
+    quantized levels' sampling runs through the same code, and the real-pair test replays NF4)."""
+    args = ["--all-heldout", "--compressions", "fp32", "--max-prompts", "2", "--decoding", "sampling"]
     stdout = run_benchmark("dense_replay.py", *args, "--replications", "3")
     assert "sampling at temperature 0.7, 3 draws of the keep/reject events per text" in stdout
-    rows = {r[1]: r for r in table_rows(stdout, "nf4") if len(r) == 12}
+    rows = {r[1]: r for r in table_rows(stdout, "fp32") if len(r) == 12}
     assert float(rows["target"][4]) == 1.0 and float(rows["target"][5]) == 1.0  # never drafts, one token a step
     assert 0.0 < float(rows["fixed-2"][4]) < 0.05  # gamma 0 only where nothing is left to draft
-    ci = {r[2]: r for r in table_rows(stdout, "nf4") if r[1] == "all (2)"}
+    ci = {r[2]: r for r in table_rows(stdout, "fp32") if r[1] == "all (2)"}
     assert {"oracle", "gbt-pre-repriced", "adaedl", "ema-goodput"} <= set(ci)
     assert all(float(r[9]) <= 1.0 for r in ci.values())  # the oracle knows the draws: nothing beats it
     ratio, lo, hi = (float(v) for v in ci["gbt-pre-repriced"][4].strip("[]").replace("[", "").replace(",", " ").split())

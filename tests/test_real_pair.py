@@ -108,7 +108,11 @@ def test_real_pair_greedy_equality(compression, draft, heldout_inputs):
 def test_real_pair_default_int8_equals_transformers_own_assisted_decoding(draft, heldout_inputs):
     """bitsandbytes' INT8 path is not batch-invariant on SmolLM2 (with or without outlier decomposition):
     verifying k tokens in one forward is not bit-identical to k single steps, so transformers' own assisted
-    decoding already departs from plain greedy on some prompts. The hook must reproduce transformers exactly."""
+    decoding already departs from plain greedy on some prompts. The hook must reproduce transformers exactly.
+
+    The first two of the three held-out prompts: on both, transformers' own output departs from plain greedy at one or
+    more of these gammas (5 of their 6 runs, measured on a 2-core AVX2 EPYC). On the third it equals plain greedy at
+    all three, the case test_real_pair_greedy_equality checks at fp32 and NF4, and its six INT8 runs cost ~50 s."""
     import copy
 
     from speckv_policy.hf import attach
@@ -121,7 +125,7 @@ def test_real_pair_default_int8_equals_transformers_own_assisted_decoding(draft,
     own_draft.generation_config.num_assistant_tokens_schedule = "constant"
     for g in (1, 4, 8):
         own_draft.generation_config.num_assistant_tokens = g
-        for pid, ids in heldout_inputs:
+        for pid, ids in heldout_inputs[:2]:
             own = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=own_draft)
             with attach(target, lambda step, g=g: g, compression="int8", mode="fixed"):
                 ours = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft)
