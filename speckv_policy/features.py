@@ -433,6 +433,30 @@ def as_feature_matrix(features: Any, feature_set: FeatureSet | str) -> np.ndarra
     return arr
 
 
+#: the log columns a pass over a log's steps reads (:func:`features_from_log`, the replay): each run's key and its
+#: state's settings, each step's signals and outcome; a pass over these alone skips the columns no feature reads
+STEP_PASS_COLUMNS = (
+    "run_id",
+    "prompt_id",
+    "compression",
+    "decoding",
+    "temperature",
+    "gamma",
+    "accepted",
+    "context_len",
+    "context_match_len",
+    "draft_confidence",
+    "draft_entropy",
+)
+
+
+def step_rows(ordered: pd.DataFrame) -> list[tuple[Any, Any]]:
+    """``(index, row)`` for each row of ``ordered``, in order, the row holding the :data:`STEP_PASS_COLUMNS` it has
+    (attribute access)."""
+    cols = [c for c in STEP_PASS_COLUMNS if c in ordered.columns]
+    return list(zip(ordered.index, ordered[cols].itertuples(index=False)))
+
+
 def logged_step_features(state: OnlineFeatureState, step: Any, feature_set: str) -> np.ndarray:
     """The ``online``, ``pre`` or ``gated`` row of one logged drafting step, from the run's ``state`` before it.
 
@@ -488,7 +512,7 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
     if fs is ONLINE or fs is PRE or fs is GATED:
         state: OnlineFeatureState | None = None
         key = None
-        for idx, r in zip(order.index, order.itertuples(index=False)):
+        for idx, r in step_rows(order):
             k = (r.run_id, r.prompt_id)
             if k != key:
                 temp = float(r.temperature) if r.decoding == "sampling" else 0.0
@@ -500,7 +524,7 @@ def features_from_log(log: pd.DataFrame, feature_set: str = "online") -> tuple[p
                 index.append(idx)
             state.update(int(r.gamma), int(r.accepted))
     elif fs is PAPER:
-        for idx, r in zip(order.index, order.itertuples(index=False)):
+        for idx, r in step_rows(order):
             if r.gamma > 0:
                 rows.append(paper_features(r.draft_confidence, r.draft_entropy, r.compression))
                 index.append(idx)

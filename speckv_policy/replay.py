@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .features import OnlineFeatureState, features_from_log, logged_step_features
+from .features import OnlineFeatureState, features_from_log, logged_step_features, step_rows
 from .schema import GATED, ONLINE, PRE, get_feature_set
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,7 +117,7 @@ def replay_features(
     order = steps.sort_values(["run_id", "prompt_id", "step"], kind="stable")
     # each run's rows are contiguous in that order: one pass over the rows, cut at the runs' ends (a pass per run
     # costs pandas a column lookup per column and run, most of this function's time on a large log)
-    rows_in_order = list(zip(order.index, order.itertuples(index=False)))
+    rows_in_order = step_rows(order)
     ends = np.cumsum(order.groupby(["run_id", "prompt_id"], sort=False).size().to_numpy())
     records = [rows_in_order[a:b] for a, b in zip([0, *ends[:-1]], ends)]
     states = []
