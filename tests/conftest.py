@@ -94,6 +94,20 @@ def edge_rows(feature_set_names: tuple[str, ...], rng: np.random.Generator) -> n
     return np.asarray(rows, dtype=np.float32)
 
 
+@pytest.fixture(scope="session")
+def draft_samples():
+    """The draft's own two-token counts on tests/test_hf_hook.py's SAMPLING_PAIR and SAMPLING_PROMPT: the same draft
+    and seeds in every chi-square test on that pair (each mode of the hook, oneDNN's converted target), so drawn once."""
+    import torch
+
+    from speckv_policy.testing import tiny_llama_pair
+
+    from .test_hf_hook import SAMPLING_DRAWS, SAMPLING_PAIR, SAMPLING_PROMPT, _two_token_counts
+
+    _, draft = tiny_llama_pair(**SAMPLING_PAIR)
+    return _two_token_counts(draft, torch.tensor(SAMPLING_PROMPT), SAMPLING_PAIR["vocab_size"], SAMPLING_DRAWS)
+
+
 def load_benchmark(script: str):
     """``benchmarks/<script>`` imported as a module (its helpers are tested directly)."""
     import importlib.util

@@ -170,13 +170,6 @@ SAMPLING_PAIR = {"vocab_size": 12, "hidden_size": 32, "noise": 0.3, "seed": 3, "
 SAMPLING_PROMPT = [[1, 2, 3]]
 
 
-@pytest.fixture(scope="module")
-def draft_samples():
-    """The draft's own two-token counts: the same draft and seeds in every mode below, so drawn once."""
-    _, draft = tiny_llama_pair(**SAMPLING_PAIR)
-    return _two_token_counts(draft, torch.tensor(SAMPLING_PROMPT), SAMPLING_PAIR["vocab_size"], SAMPLING_DRAWS)
-
-
 @pytest.mark.parametrize("mode", ["upfront", "pre", "gated", "stop"])
 def test_sampling_keeps_the_target_distribution(mode, draft_samples):
     target, draft = tiny_llama_pair(**SAMPLING_PAIR)

@@ -19,7 +19,7 @@ from speckv_policy.hf.onednn import (
 )
 from speckv_policy.testing import tiny_llama_pair
 
-from .test_hf_hook import _assisted_vs_draft_sampling, _cycle
+from .test_hf_hook import SAMPLING_PAIR, SAMPLING_PROMPT, _assisted_vs_draft_sampling, _cycle
 
 pytestmark = [
     pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN"),
@@ -203,10 +203,13 @@ def test_greedy_output_is_the_converted_targets(converted_pair, gammas, mode, pr
     assert torch.equal(out, ref)
 
 
-def test_sampling_keeps_the_converted_targets_distribution():
-    target, draft = tiny_llama_pair(vocab_size=12, hidden_size=32, noise=0.3, seed=3, init_range=0.15)
+def test_sampling_keeps_the_converted_targets_distribution(draft_samples):
+    target, draft = tiny_llama_pair(**SAMPLING_PAIR)
     use_onednn_linear(target)
-    h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(target, draft, torch.tensor([[1, 2, 3]]), 12, mode="pre")
+    ids, vocab = torch.tensor(SAMPLING_PROMPT), SAMPLING_PAIR["vocab_size"]
+    h, p_assisted, p_draft, _ = _assisted_vs_draft_sampling(
+        target, draft, ids, vocab, mode="pre", draft_counts=draft_samples
+    )
     assert max(s.gamma for s in h.stats) >= 1
     assert p_assisted > 0.001
     assert p_draft < 1e-6  # the test can tell a wrong distribution apart
