@@ -217,6 +217,10 @@ def test_vllm_drafts_the_head_at_the_k_its_dynamic_sd_table_gives_each_batch_siz
     run, outputs = _run(vllm_runs, "eagle3-table")
     for pid, plain, spec in outputs:
         assert spec == plain, pid
+    # vLLM was given up to HEAD_K tokens a step and the table: without the table it drafts HEAD_K every time, as the
+    # fixed run does (num_draft_tokens == HEAD_K * num_drafts), so fewer than that is the table at work
+    assert run["config"]["num_speculative_tokens"] == HEAD_K
+    assert run["config"]["num_speculative_tokens_per_batch_size"] == HEAD_TABLE
     counts = run["spec"]
     drafts, drafted = counts["vllm:spec_decode_num_drafts"], counts["vllm:spec_decode_num_draft_tokens"]
     assert drafts > 0 and counts["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -2,10 +2,10 @@
 
 One process, so vLLM is imported and the reference engine built once for every run: vLLM without speculation writes
 each prompt's greedy continuation once per ``max_tokens`` the runs ask for (token ids and text); then each run
-starts its own engine with speculation, the same prompts, greedy. An ``offline`` run uses ``vllm.LLM`` and returns
-the token ids and vLLM's speculation counters; a ``server`` run starts vLLM's OpenAI-compatible server with the
-speculative config, sends the prompts to it concurrently, returns the texts and the counters of ``/metrics``, and
-stops it. A run that fails returns its error, and the others still run.
+starts its own engine with speculation (returned as its ``config``), the same prompts, greedy. An ``offline`` run
+uses ``vllm.LLM`` and returns the token ids and vLLM's speculation counters; a ``server`` run starts vLLM's
+OpenAI-compatible server with the speculative config, sends the prompts to it concurrently, returns the texts and the
+counters of ``/metrics``, and stops it. A run that fails returns its error, and the others still run.
 
 The reference and the offline runs keep vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
 the same engine, scheduler and proposer, without a fresh process per engine that imports torch and vLLM again (measured
@@ -124,7 +124,7 @@ def main() -> None:
             )
             done[run["name"]] = {"offline": offline, "server": server}[run["how"]](
                 target, spec, texts, int(run["max_tokens"])
-            )
+            ) | {"config": spec}
         except Exception:  # noqa: BLE001 - reported to the test of this run; the other runs go on
             done[run["name"]] = {"error": traceback.format_exc()[-4000:]}
         seconds[run["name"]] = round(time.monotonic() - t0, 1)
