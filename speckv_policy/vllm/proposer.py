@@ -255,8 +255,8 @@ def _eagle3_config(draft: str, policy: Any, settings: dict[str, Any]) -> dict[st
         )
     given = ProposerSettings(draft=draft, policy=policy, **settings)  # the same checks as any draft's settings
     plain = ProposerSettings(draft=draft, policy=policy)
-    neutral = (*_HEAD_NEUTRAL, "batch_schedule")
-    other = sorted(k for k in settings if k not in neutral and getattr(given, k) != getattr(plain, k))
+    handled = (*_HEAD_NEUTRAL, "batch_schedule")  # batch_schedule: vLLM's own table, added below
+    other = sorted(k for k in settings if k not in handled and getattr(given, k) != getattr(plain, k))
     if other:
         raise ValueError(f"{draft} is an EAGLE-3 head, drafted by vLLM's own proposer: {', '.join(other)} do not apply")
     spec: dict[str, Any] = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(policy)}
