@@ -228,7 +228,15 @@ def _vllm_record() -> dict[str, Any] | None:
     race = json.loads(path.read_text())
     conc = sorted({r["concurrency"] for r in race["rows"]})
     summary = _vllm_race_module().summarize(race["rows"], race["arms"], conc)  # recomputed from every request
-    return {"meta": race["meta"], "arms": race["arms"], "summary": summary}
+    kept: dict[str, dict[str, float]] = {}
+    for n in race.get("spec_counts", []):  # vLLM's counters per server of the race (the tuning sweep left out)
+        if not n.get("tuning") and n.get("num_drafts"):
+            k = kept.setdefault(n["arm"], {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0})
+            for key, counter in (("drafts", "num_drafts"), ("draft_tokens", "num_draft_tokens"),
+                                 ("accepted", "num_accepted_tokens")):  # fmt: skip
+                k[key] += n[counter]
+    acceptance = {a: kept[a] for a in race["arms"] if a in kept}
+    return {"meta": race["meta"], "arms": race["arms"], "summary": summary, "acceptance": acceptance}
 
 
 def _vllm_race_module() -> Any:
@@ -256,12 +264,37 @@ def vllm_section(race: dict[str, Any]) -> list[str]:
         "Race `benchmarks/runs/vllm_race.json`: every arm through vLLM's OpenAI-compatible server, a client keeping",
         "*c* requests in flight. `gbt-gated-batch` is the shipped gated policy priced with one request's costs at the",
         "batch size each step runs in, measured inside vLLM first (`speckv-calibrate --engine vllm`: per request "
-        f"{costs}); `vllm-dynamic-sd` is vLLM's table tuned on training prompts as its docs say ({meta['table']}).",
+        f"{costs}); `vllm-dynamic-sd` is vLLM's table tuned on training prompts as its docs say ({meta['table']})"
+        + (
+            f", `head-dynamic-sd` the head's, tuned the same way ({meta['head_table']})."
+            if meta.get("head_table")
+            else "."
+        ),
         "",
         table,
+        *acceptance_lines(race.get("acceptance", {})),
         "![output tokens/s against concurrency, one line per arm](vllm_race.png)",
         "",
     ]
+
+
+def acceptance_lines(acceptance: dict[str, dict[str, float]]) -> list[str]:
+    """What vLLM's speculative decoding counters say each arm's drafts kept, over all its servers in the race."""
+    if not acceptance:
+        return []
+    lines = [
+        "What the drafts kept, by vLLM's counters (`vllm:spec_decode_num_*`, summed over the race's servers: every "
+        "concurrency and repetition):",
+        "",
+        "| arm | drafts | draft tokens | kept | kept per draft token | kept per draft |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, k in acceptance.items():
+        lines.append(
+            f"| {arm} | {k['drafts']:.0f} | {k['draft_tokens']:.0f} | {k['accepted']:.0f} | "
+            f"{k['accepted'] / k['draft_tokens']:.2f} | {k['accepted'] / k['drafts']:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def _fmt(r: dict[str, Any]) -> str:

