@@ -57,6 +57,8 @@ OURS = ("gbt-gated", "gbt-gated-batch")
 VLLM_OWN = ("fixed-1", "fixed-2", "fixed-3", "fixed-4", "vllm-dynamic-sd")
 VLLM_OWN += ("head-fixed-1", "head-fixed-2", "head-fixed-3", "head-fixed-4", "head-dynamic-sd")
 NEVER = [[1, 65536, 0]]  # a Dynamic SD table that never drafts: K = 0 with the head loaded
+#: each tuned Dynamic SD table: (which drafter, its fixed arms' prefix, its table arm, the table's key in the meta)
+TABLED = (("draft", "fixed-", "vllm-dynamic-sd", "table"), ("head", "head-fixed-", "head-dynamic-sd", "head_table"))
 
 
 def spec_for(arm: str, costs: str, tables: dict[str, Any], device: str) -> dict[str, Any] | None:
@@ -136,7 +138,7 @@ def same_k_spread(summary: dict, meta: dict) -> list[tuple[str, str, str, float]
     entry and the fixed arm of that K): ``(table arm, fixed arm, concurrency, throughput ratio)``. What separates
     them is the server-to-server spread of the race, not the rule."""
     pairs = []
-    for arm, prefix, key in (("vllm-dynamic-sd", "fixed-", "table"), ("head-dynamic-sd", "head-fixed-", "head_table")):
+    for _, prefix, arm, key in TABLED:
         for c, cell in summary.items():
             k = next((k for start, end, k in meta.get(key) or [] if start <= int(c) <= end), 0)
             fixed = f"{prefix}{k}"
@@ -343,7 +345,7 @@ def main() -> None:
     arms = args.arms.split(",")
     tuning: list[dict[str, Any]] = []
     counts: list[dict[str, Any]] = []
-    for which, prefix, arm in (("draft", "fixed-", "vllm-dynamic-sd"), ("head", "head-fixed-", "head-dynamic-sd")):
+    for which, prefix, arm, _ in TABLED:
         if tables[which] is not None or arm not in arms:
             continue
         print(f"2. tuning vLLM's Dynamic SD table for the {which} on training prompts", flush=True)
@@ -386,8 +388,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d"),
-        "table": tables["draft"],
-        "head_table": tables["head"],
+        **{key: tables[which] for which, _, _, key in TABLED},
         "costs": json.loads(Path(costs).read_text()),
         "minutes": (time.time() - t_start) / 60,
         "outputs_differ": differ,
