@@ -1,6 +1,6 @@
 """The race inside vLLM's OpenAI-compatible server: output tokens/s of each arm at each concurrency, side by side.
 
-    .venv-vllm/bin/python benchmarks/vllm_race.py             # CPU: about 50 minutes; writes out/vllm_race.{json,md}
+    .venv-vllm/bin/python benchmarks/vllm_race.py             # CPU, 2 threads: 1-2 hours; out/vllm_race.{json,md}
     .venv-vllm/bin/python benchmarks/vllm_race.py --record    # ... and benchmarks/runs/vllm_race.json, the race of
     .venv/bin/python benchmarks/results.py                    # record that the results page's vLLM section shows
 
@@ -15,8 +15,8 @@ Steps, all in one run on one machine:
    SD table is built from it the way vLLM's docs say, the best K at each concurrency
    (``[[1, 3, K1], [4, 15, K4], [16, .., K16]]``), one table for each.
 3. **Race** (held-out prompts): every arm serves the prompts through the server at each concurrency (a client
-   keeps that many requests in flight), greedy; one server per arm and repetition, arm order rotated per
-   repetition. Arms: ``none`` (no speculation), ``fixed-1..4`` (the speckv proposer's draft, a constant K),
+   keeps that many requests in flight), greedy; one server per arm and repetition, the arms in the listed order
+   in even repetitions and in reverse in odd ones (over two, every arm's mean position is the same). Arms: ``none`` (no speculation), ``fixed-1..4`` (the speckv proposer's draft, a constant K),
    ``vllm-dynamic-sd`` (the tuned table, looked up by batch size as vLLM's scheduler does), ``sglang-adaptive``
    (SGLang's EMA tiers 1/3/7), ``gbt-gated`` (the shipped policy, priced as shipped) and ``gbt-gated-batch`` (the
    same export priced by step 1's costs for the batch each step runs in); and the shipped EAGLE-3 head
@@ -288,6 +288,12 @@ def plot(summary: dict, arms: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def arm_order(arms: list[str], repeat: int) -> list[str]:
+    """The order the arms' servers run in repetition ``repeat``: as listed in even repetitions, reversed in odd ones,
+    so that a drift over the race (a neighbour's load, a warming machine) falls on every arm alike over two."""
+    return list(arms) if repeat % 2 == 0 else list(reversed(arms))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="target HF folder (default: the SmolLM2 folder in the cache)")
@@ -367,8 +373,7 @@ def main() -> None:
     texts, ids = pick("heldout", args.prompts)
     rows: list[dict[str, Any]] = []
     for rep in range(args.repeats):
-        order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
-        for arm in order:
+        for arm in arm_order(arms, rep):
             got, n = serve_arm(arm, args, texts, ids, costs, tables, rep)
             rows += got
             counts.append(n)

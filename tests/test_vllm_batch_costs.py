@@ -250,6 +250,11 @@ def test_the_vllm_race_summary_pairs_prompts_and_compares_with_the_best_of_vllms
         "--repeats",
         "1",
     ]
+    # the servers' order: as listed, then reversed, so every arm's mean position over two repetitions is the same
+    arms = list(speed)
+    assert race.arm_order(arms, 0) == arms and race.arm_order(arms, 3) == arms[::-1]
+    pos = {a: race.arm_order(arms, 0).index(a) + race.arm_order(arms, 1).index(a) for a in arms}
+    assert set(pos.values()) == {len(arms) - 1}
 
 
 def test_the_vllm_race_serves_the_head_at_a_fixed_k_at_k_0_and_at_its_own_tuned_table(monkeypatch):
