@@ -14,15 +14,16 @@ Steps, all in one run on one machine:
 2. **Tuning** (training prompts): fixed K = 0..4 at each concurrency, for the draft and for the head; vLLM's Dynamic
    SD table is built from it the way vLLM's docs say, the best K at each concurrency
    (``[[1, 3, K1], [4, 15, K4], [16, .., K16]]``), one table for each.
-3. **Race** (held-out prompts): every arm serves the prompts through the server at each concurrency (a client
-   keeps that many requests in flight), greedy; one server per arm and repetition, the arms in the listed order
-   in even repetitions and in reverse in odd ones (over two, every arm's mean position is the same). Arms: ``none`` (no speculation), ``fixed-1..4`` (the speckv proposer's draft, a constant K),
-   ``vllm-dynamic-sd`` (the tuned table, looked up by batch size as vLLM's scheduler does), ``sglang-adaptive``
-   (SGLang's EMA tiers 1/3/7), ``gbt-gated`` (the shipped policy, priced as shipped) and ``gbt-gated-batch`` (the
-   same export priced by step 1's costs for the batch each step runs in); and the shipped EAGLE-3 head
-   (``datasets/smollm2/eagle3``) drafted by vLLM's own EAGLE-3 proposer: ``head-fixed-1..3`` and
-   ``head-dynamic-sd`` (its own tuned table). vLLM before 0.34 gives a custom proposer no hidden states, so no
-   policy drafts the head here; the head's arms count among vLLM's options our policy is compared with.
+3. **Race** (held-out prompts): every arm serves the prompts through the server at each concurrency (a client keeps
+   that many requests in flight), greedy; one server per arm and repetition, the arms in the listed order in even
+   repetitions and in reverse in odd ones (over two, every arm's mean position is the same). Arms: ``none`` (no
+   speculation), ``fixed-1..4`` (the speckv proposer's draft, a constant K), ``vllm-dynamic-sd`` (the tuned table,
+   looked up by batch size as vLLM's scheduler does), ``sglang-adaptive`` (SGLang's EMA tiers 1/3/7), ``gbt-gated``
+   (the shipped policy, priced as shipped) and ``gbt-gated-batch`` (the same export priced by step 1's costs for the
+   batch each step runs in); and the shipped EAGLE-3 head (``datasets/smollm2/eagle3``) drafted by vLLM's own
+   EAGLE-3 proposer: ``head-fixed-1..3`` and ``head-dynamic-sd`` (its own tuned table). vLLM before 0.34 gives a
+   custom proposer no hidden states, so no policy drafts the head here; the head's arms count among vLLM's options
+   our policy is compared with.
 
 Every speculative arm's text is compared with ``none``'s for each prompt (greedy: must be equal). Throughput at
 concurrency ``c`` is ``c * sum(tokens) / sum(request seconds)`` (Little's law: ``c`` requests always in flight),
