@@ -295,6 +295,33 @@ def arm_order(arms: list[str], repeat: int) -> list[str]:
     return list(arms) if repeat % 2 == 0 else list(reversed(arms))
 
 
+def read_inputs(costs: str | None, table: str | None, head_table: str | None) -> dict[str, Any]:
+    """The tuned tables given on the command line (None: tune it), ``"draft"`` and ``"head"``, after checking them and
+    the cost file: a bad one is refused here, by its option, not at its arm's server up to an hour into the race.
+
+    Raises
+    ------
+    ValueError
+        Naming the option and what is wrong with it (a missing or invalid cost file, a table that is not JSON or not
+        a Dynamic SD table).
+    """
+    from speckv_policy.batch_costs import BatchCosts
+    from speckv_policy.peers import DynamicSDTable
+
+    if costs is not None:
+        try:
+            BatchCosts.load(costs)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--costs: {e}") from e
+    tables: dict[str, Any] = {}
+    for which, option, given in (("draft", "--table", table), ("head", "--head-table", head_table)):
+        try:
+            tables[which] = None if given is None else DynamicSDTable(json.loads(given)).as_config()
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            raise ValueError(f"{option} {given!r}: {e}") from e
+    return tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="target HF folder (default: the SmolLM2 folder in the cache)")
@@ -314,6 +341,10 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="also make this the race of record (benchmarks/runs/)")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    try:
+        tables = read_inputs(args.costs, args.table, args.head_table)
+    except ValueError as e:
+        ap.error(str(e))
 
     import vllm
     from transformers import AutoTokenizer
@@ -347,8 +378,6 @@ def main() -> None:
         cmd = [sys.executable, "-m", "speckv_policy.cli.calibrate", "--engine", "vllm", "--out", costs]
         cmd += ["--target", args.target, "--device", args.device]
         subprocess.run(cmd, check=True)
-    tables = {"draft": json.loads(args.table) if args.table else None}
-    tables["head"] = json.loads(args.head_table) if args.head_table else None
     arms = args.arms.split(",")
     tuning: list[dict[str, Any]] = []
     counts: list[dict[str, Any]] = []

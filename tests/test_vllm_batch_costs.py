@@ -287,3 +287,24 @@ def test_calibrating_inside_vllm_without_vllm_says_where_vllm_lives(tmp_path, ca
     out = tmp_path / "batch.json"
     assert main(["--engine", "vllm", "--out", str(out)]) == 2
     assert "bash .ci/setup-vllm" in capsys.readouterr().err and not out.exists()
+
+
+def test_the_vllm_race_refuses_a_bad_cost_file_or_table_by_its_option_before_serving(tmp_path):
+    from tests.conftest import load_benchmark
+
+    race = load_benchmark("vllm_race.py")
+    good = _batch_costs(tmp_path, drafting_ms=6.0)
+    table = "[[1, 3, 2], [4, 65536, 0]]"
+    assert race.read_inputs(good, table, None) == {"draft": [[1, 3, 2], [4, 65536, 0]], "head": None}
+    assert race.read_inputs(None, None, table)["head"] == [[1, 3, 2], [4, 65536, 0]]
+    bad_json = tmp_path / "not-costs.json"
+    bad_json.write_text('{"format": "something else"}')
+    for args, why in (
+        ((str(tmp_path / "absent.json"), None, None), r"--costs: .*absent\.json"),
+        ((str(bad_json), None, None), r"--costs: .*not-costs\.json"),
+        ((None, "[[1, 3, 2]", None), r"--table '\[\[1, 3, 2\]'"),
+        ((None, None, "[[2, 8, 1]]"), r"--head-table .*must start at batch size 1"),
+        ((None, None, "5"), r"--head-table '5': a Dynamic SD schedule is a non-empty list"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            race.read_inputs(*args)
