@@ -336,6 +336,7 @@ class SpeckvProposer:
         self.settings = settings if settings is not None else ProposerSettings.from_env()
         self.draft: Any = None
         self.cache_arg = "past_key_values"
+        self.forward_kwargs: dict[str, Any] = {"use_cache": True}
         self.use_history: Callable[[Any], None] | None = None
         self.mode_name = "fixed"
         self.decider: Any = None
@@ -360,6 +361,9 @@ class SpeckvProposer:
         self.draft = _import(s.draft_loader)(s.draft, "fp32", s.device)
         params = inspect.signature(type(self.draft).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        # the last position's logits only: a draft catching up on the tokens it missed while the policy kept it
+        # shut would otherwise compute its LM head over every one of them
+        self.forward_kwargs = {"use_cache": True, **({"logits_to_keep": 1} if "logits_to_keep" in params else {})}
         # a draft that reads the whole sequence (the distilled SmolLM2 draft's context copy) is told whose turn it is
         self.use_history = getattr(self.draft, "use_history", None)
         if s.timings is not None:
@@ -549,7 +553,7 @@ class SpeckvProposer:
                 device = self.settings.device
                 feed = torch.as_tensor(np.asarray(context[keep:], dtype=np.int64))[None].to(device)
                 for k in range(1, cap + 1):
-                    out = self.draft(input_ids=feed, use_cache=True, **{self.cache_arg: req.cache})
+                    out = self.draft(input_ids=feed, **{self.cache_arg: req.cache}, **self.forward_kwargs)
                     logits = out.logits[0, -1]
                     token = int(torch.argmax(logits))
                     ids.append(token)
