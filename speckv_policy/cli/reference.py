@@ -80,7 +80,9 @@ def render() -> str:
         "Repository commands (not installed), each with `--help`: `python benchmarks/e2e.py` (the wall-clock race),",
         "`python benchmarks/results.py` (the results page), `python benchmarks/dense_replay.py` (generation replayed",
         "at every position), `python benchmarks/decision_latency.py` (what a decision costs), `python",
-        "benchmarks/verify_cost.py` (what verifying 1..9 tokens costs), `bash benchmarks/gpu_check.sh` (CUDA checks).",
+        "benchmarks/verify_cost.py` (what verifying 1..9 tokens costs), `bash benchmarks/gpu_check.sh` (CUDA checks); in",
+        "`.venv-vllm`: `benchmarks/vllm_race.py` (the race inside vLLM's server) and `benchmarks/vllm_proposer_time.py`",
+        "(the proposer's own time per engine step, in steps that drafted and steps that did not).",
         "",
     ]
     return "\n".join(lines)
