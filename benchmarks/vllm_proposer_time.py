@@ -29,24 +29,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
+    if not 1 <= args.concurrency <= args.prompts:
+        ap.error(
+            f"--concurrency {args.concurrency}: must be 1..--prompts ({args.prompts}), or no step runs a full batch"
+        )
 
     import vllm_race
     from transformers import AutoTokenizer
 
     from speckv_policy.batch_costs import BatchCosts
-    from speckv_policy.prompts import read_prompts
     from speckv_policy.smollm2.gguf import smollm2_safetensors
     from speckv_policy.vllm import VLLMServer, engine_args, speculative_config
 
     BatchCosts.load(args.costs)  # a bad file is refused here, not inside the engine
     target = str(smollm2_safetensors())
     tok = AutoTokenizer.from_pretrained(target)
-    held = [p for p in read_prompts(ROOT / "datasets" / "prompts" / "prompts.jsonl") if p.split == "heldout"]
-    held = held[:: max(1, len(held) // args.prompts)][: args.prompts]
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False, add_generation_prompt=True)
-        for p in held
-    ]
+    texts, _ = vllm_race.pick_prompts(tok, "heldout", args.prompts)
     with tempfile.TemporaryDirectory() as tmp:
         timings = Path(tmp) / "timings.jsonl"
         spec = speculative_config(

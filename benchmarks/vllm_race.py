@@ -289,6 +289,17 @@ def plot(summary: dict, arms: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def pick_prompts(tok: Any, split: str, n: int) -> tuple[list[str], list[str]]:
+    """``n`` prompts of ``split`` spread evenly over the shipped prompt file, chat-templated by ``tok``, and their
+    ids."""
+    from speckv_policy.prompts import read_prompts
+
+    ps = [p for p in read_prompts(ROOT / "datasets" / "prompts" / "prompts.jsonl") if p.split == split]
+    ps = ps[:: max(1, len(ps) // n)][:n]
+    chat = [[{"role": "user", "content": p.text}] for p in ps]
+    return [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat], [p.id for p in ps]
+
+
 def arm_order(arms: list[str], repeat: int) -> list[str]:
     """The order the arms' servers run in repetition ``repeat``: as listed in even repetitions, reversed in odd ones,
     so that a drift over the race (a neighbour's load, a warming machine) falls on every arm alike over two."""
@@ -352,7 +363,6 @@ def main() -> None:
     from speckv_policy.atomic import atomic_write_text
     from speckv_policy.machine import describe_host
     from speckv_policy.peers import DynamicSDTable
-    from speckv_policy.prompts import read_prompts
     from speckv_policy.smollm2.gguf import smollm2_safetensors
 
     os.chdir(ROOT)
@@ -360,15 +370,6 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.target)
-    every = read_prompts(ROOT / "datasets" / "prompts" / "prompts.jsonl")
-
-    def pick(split: str, n: int) -> tuple[list[str], list[str]]:
-        ps = [p for p in every if p.split == split]
-        ps = ps[:: max(1, len(ps) // n)][:n]
-        chat = [[{"role": "user", "content": p.text}] for p in ps]
-        return [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat], [
-            p.id for p in ps
-        ]
 
     t_start = time.time()
     costs = args.costs
@@ -385,7 +386,7 @@ def main() -> None:
         if tables[which] is not None or arm not in arms:
             continue
         print(f"2. tuning vLLM's Dynamic SD table for the {which} on training prompts", flush=True)
-        texts, ids = pick("train", args.tune_prompts)
+        texts, ids = pick_prompts(tok, "train", args.tune_prompts)
         for k in (0, 1, 2, 3, 4):  # K = 0: vLLM's table may switch drafting off (spec mode, empty drafts)
             got, n = serve_arm(f"{prefix}{k}", args, texts, ids, costs, tables, repeat=0)
             tuning += got
@@ -400,7 +401,7 @@ def main() -> None:
         print(f"   table: {tables[which]}", flush=True)
 
     print("3. the race on held-out prompts", flush=True)
-    texts, ids = pick("heldout", args.prompts)
+    texts, ids = pick_prompts(tok, "heldout", args.prompts)
     rows: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for arm in arm_order(arms, rep):

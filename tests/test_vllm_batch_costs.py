@@ -308,3 +308,21 @@ def test_the_vllm_race_refuses_a_bad_cost_file_or_table_by_its_option_before_ser
     ):
         with pytest.raises(ValueError, match=why):
             race.read_inputs(*args)
+
+
+def test_the_vllm_races_prompts_are_the_records_held_out_prompts_and_never_training_ones():
+    """``pick_prompts`` (shared by the race and benchmarks/vllm_proposer_time.py) picks what the race of record raced."""
+    from tests.conftest import load_benchmark
+
+    race = load_benchmark("vllm_race.py")
+
+    class Template:  # stands in for the tokenizer's chat template: the prompt's own text
+        def apply_chat_template(self, messages, **kwargs):
+            return messages[0]["content"]
+
+    texts, ids = race.pick_prompts(Template(), "heldout", 16)
+    record = json.loads((race.ROOT / "benchmarks" / "runs" / "vllm_race.json").read_text())
+    assert len(ids) == len(set(ids)) == 16 and len(texts) == 16
+    assert set(ids) == {r["prompt"] for r in record["rows"]}
+    _, train = race.pick_prompts(Template(), "train", 8)
+    assert len(train) == 8 and not set(train) & set(ids)
