@@ -5,10 +5,14 @@ speckv proposer drafts for them one after the other. Measured inside the engine 
 a step at batch size ``B`` whose requests draft ``g_1..g_B`` tokens costs about
 
     step_ms = verify_ms(B) + (verify_ms_per_token + draft_ms_per_token) * sum(g_i) + draft_base_ms * #(g_i > 0)
+              + catch_up_ms_per_token * sum(m_i over the requests that draft)
 
-One request's share is ``verify_ms(B) / B + draft_base_ms * (g > 0) + (verify_ms_per_token + draft_ms_per_token) * g``:
-a :class:`~speckv_policy.objective.CostModel` per batch size, with which a policy's expected tokens are priced for the
-batch the request runs in. The fixed part shrinks per request as the batch grows while drafting does not, so the
+where ``m_i`` is the context the draft reads before its first draft token: the tokens the request gained since its
+draft last ran (one or a few after a draft, many after the policy kept the draft shut, the whole prompt at a
+request's first draft). One request's share is ``verify_ms(B) / B + (draft_base_ms + catch_up_ms_per_token * m) *
+(g > 0) + (verify_ms_per_token + draft_ms_per_token) * g``: a :class:`~speckv_policy.objective.CostModel` per batch
+size, with which a policy's expected tokens are priced for the batch the request runs in, plus the catch-up, which
+the proposer adds per request (it knows ``m``). The fixed part shrinks per request as the batch grows while drafting does not, so the
 best draft length falls with load because the measured costs say so. (Maximising the batch's tokens per second
 exactly would price every request with the same multiplier; with requests alike, the per-request ratio is that
 optimum.)
@@ -28,7 +32,7 @@ import numpy as np
 from .atomic import NotAFileError, atomic_write_text, readable_file
 from .objective import MAX_STEP_COST, CostModel, CostModelError
 
-__all__ = ["FORMAT", "BatchCosts", "is_batch_costs_file"]
+__all__ = ["CATCH_UP_COLUMN", "FORMAT", "BatchCosts", "is_batch_costs_file"]
 
 #: The ``format`` field of a batch cost file.
 FORMAT = "speckv-batch-costs"
@@ -36,6 +40,8 @@ FORMAT = "speckv-batch-costs"
 OUTLIER_FACTOR = 5.0
 #: Columns :meth:`BatchCosts.fit` reads: one value per measured engine step.
 STEP_COLUMNS = ("batch", "draft_ms", "verify_ms", "draft_tokens", "drafting")
+#: A column :meth:`BatchCosts.fit` reads where given: the context tokens the drafting requests' drafts caught up on.
+CATCH_UP_COLUMN = "caught_up"
 MAX_BATCH = 1 << 16
 
 
@@ -55,6 +61,9 @@ class BatchCosts:
         The machine that measured them (descriptive only).
     n_steps : tuple of int, default=()
         Engine steps the fit at each batch size used.
+    catch_up_ms_per_token : tuple of float, default=()
+        What a drafting request pays per context token its draft reads before the first draft token, at each batch
+        size (empty: not measured, nothing charged).
     """
 
     batch_sizes: tuple[int, ...]
@@ -62,6 +71,7 @@ class BatchCosts:
     engine: str = "vllm"
     machine: str = ""
     n_steps: tuple[int, ...] = field(default=(), compare=False)
+    catch_up_ms_per_token: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         b = self.batch_sizes
@@ -73,6 +83,11 @@ class BatchCosts:
             raise CostModelError(f"costs needs one cost model per batch size ({len(b)}), got {len(self.costs)}")
         if any(c.unit != "ms" for c in self.costs):
             raise CostModelError("batch costs are measured times: every cost model's unit must be 'ms'")
+        c = self.catch_up_ms_per_token
+        if not isinstance(c, tuple) or (c and len(c) != len(b)):
+            raise CostModelError(f"catch_up_ms_per_token needs one cost per batch size ({len(b)}) or none, got {c!r}")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= MAX_STEP_COST for x in c):
+            raise CostModelError(f"catch_up_ms_per_token must hold costs in 0..{MAX_STEP_COST:g} ms, got {list(c)}")
         for name in ("engine", "machine"):
             if not isinstance(getattr(self, name), str):
                 raise CostModelError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
@@ -83,8 +98,15 @@ class BatchCosts:
         The largest measured batch size not above it (vLLM's Dynamic SD carries its table forward the same way);
         below the smallest measured size, the smallest.
         """
-        i = bisect_right(self.batch_sizes, int(batch_size)) - 1
-        return self.costs[max(i, 0)]
+        return self.costs[self._index(batch_size)]
+
+    def catch_up_at(self, batch_size: int) -> float:
+        """What a drafting request pays per context token its draft catches up on, in a batch of ``batch_size``
+        (looked up as :meth:`at`; 0 where the file measured none)."""
+        return float(self.catch_up_ms_per_token[self._index(batch_size)]) if self.catch_up_ms_per_token else 0.0
+
+    def _index(self, batch_size: int) -> int:
+        return max(bisect_right(self.batch_sizes, int(batch_size)) - 1, 0)
 
     # -- fitting -------------------------------------------------------------------------------------------------
     @classmethod
@@ -105,7 +127,8 @@ class BatchCosts:
             One value per step in each of :data:`STEP_COLUMNS`: ``batch`` (requests in the step), ``draft_ms``
             (time drafting for all of them), ``verify_ms`` (the rest of the step: the target's pass over every
             request's draft, sampling, the engine's own work), ``draft_tokens`` (tokens drafted in all) and
-            ``drafting`` (requests that drafted at least one).
+            ``drafting`` (requests that drafted at least one); optionally :data:`CATCH_UP_COLUMN` (context tokens the
+            drafting requests' drafts read before their first draft token), whose cost is then fitted too.
         min_steps : int, default=8
             Batch sizes with fewer usable steps are left out.
 
@@ -120,18 +143,26 @@ class BatchCosts:
             if name not in steps:
                 raise ValueError(f"steps: missing column {name!r} (expected {', '.join(STEP_COLUMNS)})")
             cols[name] = np.asarray(steps[name], dtype=np.float64).reshape(-1)
+        fits_catch_up = CATCH_UP_COLUMN in steps
+        if fits_catch_up:
+            cols[CATCH_UP_COLUMN] = np.asarray(steps[CATCH_UP_COLUMN], dtype=np.float64).reshape(-1)
         n = {len(v) for v in cols.values()}
         if len(n) != 1:
             raise ValueError(f"steps: columns of different lengths {sorted(n)}")
         finite = np.all([np.isfinite(v) for v in cols.values()], axis=0)
         ok = finite & (cols["batch"] >= 1) & (cols["verify_ms"] > 0) & (cols["draft_ms"] >= 0)
-        sizes, models, counts = [], [], []
+        sizes, models, counts, catch_up = [], [], [], []
         for b in sorted({int(x) for x in cols["batch"][ok]}):
             m = ok & (cols["batch"] == b)
             v, tok = cols["verify_ms"][m], cols["draft_tokens"][m]
             d, drafting = cols["draft_ms"][m], cols["drafting"][m]
-            keep = (v <= OUTLIER_FACTOR * np.median(v)) & (d <= OUTLIER_FACTOR * max(np.median(d), 1e-3))
-            v, tok, d, drafting = v[keep], tok[keep], d[keep], drafting[keep]
+            fed = cols[CATCH_UP_COLUMN][m] if fits_catch_up else np.zeros_like(d)
+            # a step whose drafts caught up on a long context (a new request's prompt) is slow for a known reason
+            typical = OUTLIER_FACTOR * max(np.median(d), 1e-3)
+            keep = (v <= OUTLIER_FACTOR * np.median(v)) & (
+                (d <= typical) | (fed > OUTLIER_FACTOR * max(np.median(fed), 1.0))
+            )
+            v, tok, d, drafting, fed = v[keep], tok[keep], d[keep], drafting[keep], fed[keep]
             if len(v) < min_steps or len(np.unique(tok)) < 2:
                 continue
             slope, base = np.polyfit(tok, v, 1)
@@ -139,7 +170,7 @@ class BatchCosts:
             base = float(np.mean(v - slope * tok))
             if base <= 0:
                 slope, base = 0.0, float(np.mean(v))
-            per_call, per_token, fixed = _draft_fit(d, drafting, tok)
+            per_call, per_token, per_fed, fixed = _draft_fit(d, drafting, tok, fed)
             share = CostModel(
                 draft_ms_per_token=(per_token,) * 3,
                 verify_base_ms=((base + fixed) / b,) * 3,
@@ -153,12 +184,20 @@ class BatchCosts:
             sizes.append(b)
             models.append(share)
             counts.append(len(v))
+            catch_up.append(per_fed)
         if not sizes:
             raise ValueError(
                 f"no batch size has {min_steps} timed steps with at least two different draft totals: "
                 "time more steps, drafting varied lengths"
             )
-        return cls(tuple(sizes), tuple(models), engine=engine, machine=machine, n_steps=tuple(counts))
+        return cls(
+            tuple(sizes),
+            tuple(models),
+            engine=engine,
+            machine=machine,
+            n_steps=tuple(counts),
+            catch_up_ms_per_token=tuple(catch_up) if fits_catch_up else (),
+        )
 
     # -- files -------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -170,6 +209,7 @@ class BatchCosts:
             "batch_sizes": list(self.batch_sizes),
             "n_steps": list(self.n_steps),
             "costs": [c.to_dict() for c in self.costs],
+            "catch_up_ms_per_token": list(self.catch_up_ms_per_token),
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -181,7 +221,8 @@ class BatchCosts:
         """Inverse of :meth:`to_dict`; :class:`CostModelError` naming ``where`` and the entry when invalid."""
         if d.get("format") != FORMAT:
             raise CostModelError(f"{where}: not a batch cost file (format {d.get('format')!r}, expected {FORMAT!r})")
-        unknown = sorted(set(d) - {"format", "engine", "machine", "batch_sizes", "n_steps", "costs"})
+        known = {"format", "engine", "machine", "batch_sizes", "n_steps", "costs", "catch_up_ms_per_token"}
+        unknown = sorted(set(d) - known)
         if unknown:
             raise CostModelError(f"{where}: unknown fields {', '.join(unknown)}")
         sizes, costs = d.get("batch_sizes"), d.get("costs")
@@ -195,7 +236,9 @@ class BatchCosts:
                 models.append(CostModel.load(c))
             except (CostModelError, TypeError) as exc:
                 raise CostModelError(f"{where}: costs[{i}]: {exc}") from None
-        steps = d.get("n_steps", [])
+        steps, catch_up = d.get("n_steps", []), d.get("catch_up_ms_per_token", [])  # files before it: none
+        if not isinstance(catch_up, list):
+            raise CostModelError(f"{where}: catch_up_ms_per_token must be a list, got {type(catch_up).__name__}")
         try:
             return cls(
                 tuple(sizes),
@@ -203,6 +246,7 @@ class BatchCosts:
                 engine=d.get("engine", "vllm"),
                 machine=d.get("machine", ""),
                 n_steps=tuple(steps) if isinstance(steps, list) else (),
+                catch_up_ms_per_token=tuple(catch_up),
             )
         except CostModelError as exc:
             raise CostModelError(f"{where}: {exc}") from None
@@ -232,36 +276,41 @@ class BatchCosts:
         """One line per batch size (for printing)."""
         lines = []
         for b, c, n in zip(self.batch_sizes, self.costs, self.n_steps or (0,) * len(self.batch_sizes)):
+            catch_up = (
+                f" + {self.catch_up_at(b):.3f} ms per token it catches up on" if self.catch_up_ms_per_token else ""
+            )
             lines.append(
                 f"batch {b:3d}: per request {c.verify_base_ms[0]:.1f} ms + "
                 f"{c.draft_ms_per_token[0] + c.verify_ms_per_token[0]:.1f} ms per draft token "
                 f"(draft {c.draft_ms_per_token[0]:.1f} + verify {c.verify_ms_per_token[0]:.1f}) + "
-                f"{c.draft_base_ms[0]:.1f} ms per drafting request; {n} steps"
+                f"{c.draft_base_ms[0]:.1f} ms per drafting request{catch_up}; {n} steps"
             )
         return lines
 
 
-def _draft_fit(draft_ms: np.ndarray, drafting: np.ndarray, tokens: np.ndarray) -> tuple[float, float, float]:
-    """Non-negative least squares ``draft_ms = per_call * drafting + per_token * tokens + fixed``.
+def _draft_fit(
+    draft_ms: np.ndarray, drafting: np.ndarray, tokens: np.ndarray, fed: np.ndarray
+) -> tuple[float, float, float, float]:
+    """Non-negative least squares ``draft_ms = per_call * drafting + per_token * tokens + per_fed * fed + fixed``.
 
-    Three unknowns: every subset of them is fitted and the best fit with no negative coefficient kept.
+    Every subset of the four unknowns is fitted and the best fit with no negative coefficient kept.
     """
-    a = np.column_stack([drafting, tokens, np.ones_like(tokens)])
+    a = np.column_stack([drafting, tokens, fed, np.ones_like(tokens)])
     best: tuple[float, np.ndarray] | None = None
-    for mask in range(1, 8):
-        use = [j for j in range(3) if mask >> j & 1]
+    for mask in range(1, 16):
+        use = [j for j in range(4) if mask >> j & 1]
         coef, *_ = np.linalg.lstsq(a[:, use], draft_ms, rcond=None)
         if (coef < 0).any():
             continue
-        full = np.zeros(3)
+        full = np.zeros(4)
         full[use] = coef
         err = float(np.sum((a @ full - draft_ms) ** 2))
         if best is None or err < best[0]:
             best = (err, full)
     if best is None:  # no non-negative fit (cannot happen with a non-negative target; kept for safety)
-        return 0.0, float(draft_ms.sum() / max(tokens.sum(), 1.0)), 0.0
-    per_call, per_token, fixed = (min(float(x), MAX_STEP_COST) for x in best[1])
-    return per_call, per_token, fixed
+        return 0.0, float(draft_ms.sum() / max(tokens.sum(), 1.0)), 0.0, 0.0
+    per_call, per_token, per_fed, fixed = (min(float(x), MAX_STEP_COST) for x in best[1])
+    return per_call, per_token, per_fed, fixed
 
 
 def _read_json(where: str) -> Any:

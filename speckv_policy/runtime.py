@@ -675,13 +675,17 @@ class RuntimePolicy:
             self._x[...] = x
         return self._x
 
-    def decide(self, features: Any) -> int:
+    def decide(self, features: Any, drafting_overhead: float = 0.0) -> int:
         """Gamma for one step.
 
         Parameters
         ----------
         features : sequence of float, ndarray (F,) or mapping name -> value
             One step's features, in the model's feature set.
+        drafting_overhead : float, default=0.0
+            A cost this step pays on top of its priced time wherever its draft runs (every candidate but 0, and 0
+            too where the policy decides after a probe token), in the cost model's unit: a vLLM request's draft
+            catching up on the context it missed while shut. An export that maximises tokens per step ignores it.
 
         Returns
         -------
@@ -689,6 +693,8 @@ class RuntimePolicy:
             A gamma from :attr:`candidates` (or the fallback gamma).
         """
         try:
+            if drafting_overhead and self._overhead_applies(drafting_overhead):
+                return self._decide_with_overhead(features, drafting_overhead, gate=False)
             if self._program is not None:
                 g = self._memo_hit(self._program, self._memo, features)
                 if g is not None:
@@ -710,13 +716,14 @@ class RuntimePolicy:
                 raise
             return self._fallback(exc)
 
-    def decide_gate(self, features: Any) -> bool:
+    def decide_gate(self, features: Any, drafting_overhead: float = 0.0) -> bool:
         """A gated export's gate: whether to draft this step (before any draft token exists).
 
         ``features`` is a ``gated`` row; the gate reads only its leading
         ``pre`` columns, so the probe token's columns may hold anything (0).
         With ``fallback_gamma`` set, a failure opens the gate (the length
         head, or the fallback, then decides), with the one warning.
+        ``drafting_overhead`` is as in :meth:`decide`.
 
         Raises
         ------
@@ -726,6 +733,8 @@ class RuntimePolicy:
         try:
             if self._x is not None and not self.gated:
                 raise PolicyLoadError(f"{self.path}: not a gated export (feature set {self.feature_set.name})")  # type: ignore[union-attr]
+            if drafting_overhead and self._overhead_applies(drafting_overhead):
+                return self._decide_with_overhead(features, drafting_overhead, gate=True) > 0
             if self._gate_program is not None:
                 g = self._memo_hit(self._gate_program, self._gate_memo, features)
                 if g is not None:
@@ -742,6 +751,36 @@ class RuntimePolicy:
                 raise
             self._fallback(exc)
             return True
+
+    def _overhead_applies(self, overhead: float) -> bool:
+        """Whether a drafting overhead moves this export's decisions (not for one that maximises tokens per step)."""
+        if not (overhead >= 0 and np.isfinite(overhead)):
+            raise ValueError(f"drafting_overhead must be a finite cost >= 0 in the cost model's unit, got {overhead!r}")
+        return self.repriceable
+
+    def _decide_with_overhead(self, features: Any, overhead: float, *, gate: bool) -> int:
+        """The gate's (``gate``) or the length head's gamma with ``overhead`` added to the step time of every
+        candidate for which the draft runs (all of them for a length head that decides after a probe token, whose
+        draft has run by then); no memo, since the overhead differs from request to request."""
+        caller = "decide_gate" if gate else "decide"
+        probe = 0 if gate else self.cost_model.decision_draft_tokens  # type: ignore[union-attr]
+        program = self._gate_program if gate else self._program
+        if program is not None:
+            row = self._row_list(features, caller)
+            tokens = self._program_values(program, None, row)
+            times = (self._gate_prices if gate else self._prices)[int(row[self._code_index])]  # type: ignore[index]
+            values = [
+                e / (t + overhead if max(c, probe) > 0 else t) for e, t, c in zip(tokens, times, program.candidates)
+            ]
+            return _first_best(program.candidates, values)
+        x = self._one_row(features, caller)
+        e = self._session.run(["gate_expected_tokens" if gate else "expected_tokens"], {"features": x})[0]
+        table = self._gate_times if gate else self._times
+        if table is None:  # not re-priced: the export's own costs, as its graph prices them
+            cm = self.cost_model if not gate else replace(self.cost_model, decision_draft_tokens=0)  # type: ignore[type-var]
+            table = self._times_table(cm.time_table(self.candidates))  # type: ignore[union-attr]
+        drafts = np.maximum(self.candidates, probe) > 0
+        return int(self._priced(e, x, table + np.float32(overhead) * drafts)[0][0])
 
     def _gate_batch(self, x: np.ndarray) -> np.ndarray:
         if self._gate_times is None:

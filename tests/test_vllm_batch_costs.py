@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from speckv_policy.batch_costs import BatchCosts, is_batch_costs_file
+from speckv_policy.batch_costs import CATCH_UP_COLUMN, STEP_COLUMNS, BatchCosts, is_batch_costs_file
 from speckv_policy.objective import CostModel, CostModelError
 from speckv_policy.peers import DynamicSDTable, SGLangStyleSteps
 from speckv_policy.runtime import PolicyFallbackWarning
@@ -24,20 +24,25 @@ TRUE = {  # per batch size: verify base (ms), verify per draft token, draft per 
     4: (110.0, 3.0, 1.5, 6.0),
     16: (150.0, 4.0, 1.5, 6.0),
 }
+CATCH_UP = 0.05  # ms per context token a draft reads before its first draft token
 
 
 def _synthetic_steps(seed: int = 0, n: int = 200, noise: float = 0.5) -> dict[str, np.ndarray]:
-    """Engine steps with known costs: random draft lengths 0..4 per request, Gaussian timing noise."""
+    """Engine steps with known costs: random draft lengths 0..4 per request, each drafting request's draft catching
+    up on 1..3 context tokens (it drafted last step) or on 4..200 (it was shut, or the request is new), Gaussian
+    timing noise."""
     rng = np.random.default_rng(seed)
-    cols: dict[str, list[float]] = {k: [] for k in ("batch", "draft_ms", "verify_ms", "draft_tokens", "drafting")}
+    cols: dict[str, list[float]] = {k: [] for k in (*STEP_COLUMNS, CATCH_UP_COLUMN)}
     for b, (vb, vt, dc, dt) in TRUE.items():
         for _ in range(n):
             g = rng.integers(0, 5, size=b)
-            tokens, drafting = int(g.sum()), int((g > 0).sum())
+            fed = np.where(rng.random(b) < 0.8, rng.integers(1, 4, size=b), rng.integers(4, 201, size=b))
+            tokens, drafting, caught_up = int(g.sum()), int((g > 0).sum()), int(fed[g > 0].sum())
             cols["batch"].append(b)
             cols["draft_tokens"].append(tokens)
             cols["drafting"].append(drafting)
-            cols["draft_ms"].append(dc * drafting + dt * tokens + abs(rng.normal(0, noise)))
+            cols[CATCH_UP_COLUMN].append(caught_up)
+            cols["draft_ms"].append(dc * drafting + dt * tokens + CATCH_UP * caught_up + abs(rng.normal(0, noise)))
             cols["verify_ms"].append(vb + vt * tokens + rng.normal(0, noise))
     return {k: np.asarray(v) for k, v in cols.items()}
 
@@ -51,11 +56,17 @@ def test_batch_costs_fit_recovers_known_costs_and_prices_one_requests_share():
         assert c.verify_ms_per_token[0] == pytest.approx(vt, abs=0.15)
         assert c.draft_ms_per_token[0] == pytest.approx(dt, abs=0.15)
         assert c.draft_base_ms[0] == pytest.approx(dc, abs=0.3)
+        assert costs.catch_up_at(b) == pytest.approx(CATCH_UP, abs=0.005)
     # carried forward like vLLM's table: 2..3 use batch 1's costs, 5..15 batch 4's, past 16 batch 16's
     assert costs.at(3) == costs.at(1) and costs.at(15) == costs.at(4) and costs.at(999) == costs.at(16)
+    assert costs.catch_up_at(15) == costs.catch_up_at(4)
     # one draft token costs a larger share of a request's step as the batch grows: gamma should fall
     share = [costs.at(b).step_ms(1, 0) / costs.at(b).step_ms(0, 0) for b in (1, 4, 16)]
     assert share[0] < share[1] < share[2]
+    # without the catch-up column (steps timed before it) nothing is charged for it, and the rest still fits
+    old = BatchCosts.fit({k: v for k, v in _synthetic_steps().items() if k != CATCH_UP_COLUMN})
+    assert old.catch_up_ms_per_token == () and old.catch_up_at(16) == 0.0
+    assert old.at(16).verify_base_ms[0] == pytest.approx(150.0 / 16, rel=0.03)
 
 
 def test_batch_costs_fit_leaves_out_outliers_and_thin_batch_sizes():
@@ -77,6 +88,9 @@ def test_batch_cost_files_round_trip_and_bad_ones_are_named(tmp_path):
     good = tmp_path / "batch.json"
     costs.save(good)
     assert BatchCosts.load(good) == costs and is_batch_costs_file(good)
+    assert len(costs.catch_up_ms_per_token) == 3
+    before = {k: v for k, v in json.loads(good.read_text()).items() if k != "catch_up_ms_per_token"}
+    assert BatchCosts.load(before).catch_up_at(1) == 0.0  # a file from before the catch-up was measured
     single = tmp_path / "single.json"
     CostModel.relative().save(single)
     assert not is_batch_costs_file(single) and not is_batch_costs_file(tmp_path / "absent.json")
@@ -91,6 +105,9 @@ def test_batch_cost_files_round_trip_and_bad_ones_are_named(tmp_path):
         ),
         "type": ({**d, "costs": [d["costs"][0], 7, d["costs"][2]]}, r"costs\[1\] must be a cost model"),
         "unknown": ({**d, "extra": 1}, "unknown fields extra"),
+        "catch-up count": ({**d, "catch_up_ms_per_token": [0.1]}, "one cost per batch size"),
+        "catch-up value": ({**d, "catch_up_ms_per_token": [0.1, -1, 0.1]}, r"costs in 0\.\."),
+        "catch-up type": ({**d, "catch_up_ms_per_token": 0.1}, "must be a list"),
     }
     for name, (bad, match) in cases.items():
         path = tmp_path / f"{name}.json"
@@ -104,7 +121,7 @@ def test_engine_steps_pair_calls_and_skip_prefills_and_batch_changes():
     def call(t, batch, new=0, tokens=4, drafting=2, decoding=None):
         d = batch if decoding is None else decoding
         return {"t_in": t, "t_out": t + 0.01, "batch": batch, "new": new, "draft_tokens": tokens,
-                "drafting": drafting, "decoding": d}  # fmt: skip
+                "drafting": drafting, "decoding": d, "caught_up": int(100 * t)}  # fmt: skip
 
     calls = [call(0.0, 2, new=2), call(0.1, 2), call(0.2, 2), call(0.3, 1), call(0.4, 1, new=1), call(0.5, 1)]
     calls.append(call(0.6, 1, decoding=0))
@@ -114,6 +131,7 @@ def test_engine_steps_pair_calls_and_skip_prefills_and_batch_changes():
     assert steps["batch"].tolist() == [2, 2, 1]
     assert steps["verify_ms"] == pytest.approx([90.0, 90.0, 90.0])
     assert steps["draft_ms"] == pytest.approx([10.0, 10.0, 10.0])
+    assert steps[CATCH_UP_COLUMN].tolist() == [0, 10, 40]  # each step's own call's
 
 
 def test_dynamic_sd_table_looks_up_as_vllm_expands_it():
@@ -170,7 +188,26 @@ def test_explore_drafts_random_lengths_and_timings_make_engine_steps(pair_dir, t
     rows = read_timings(timings)
     assert len(rows) == p.calls and rows[0]["new"] == 3 and rows[1]["new"] == 0
     assert sum(r["draft_tokens"] for r in rows) == p.drafted
+    assert sum(r["caught_up"] for r in rows) == p.caught_up
     assert len(engine_steps(rows)["batch"]) >= 5
+    # now and then a drawn 0 holds for a run of steps, so that drafts catch up on more than one step's tokens
+    runs = [len(r) for req in steps for r in "".join("0" if s[0] == 0 else "x" for s in req).split("x")]
+    assert max(runs) >= 4
+
+
+def test_the_proposer_counts_the_context_each_draft_catches_up_on(pair_dir, tmp_path):
+    target, draft = pair_dir
+    timings = tmp_path / "t.jsonl"
+    p = SpeckvProposer(_config(4), ProposerSettings(draft=draft, policy=2, timings=str(timings)))
+    p.load_model()
+    prompts = [[5, 9, 13, 2], [7, 7, 1, 30, 4], [3, 3, 8, 1]]
+    _engine(p, target, prompts, 12)
+    rows = read_timings(timings)
+    # the first draft of a request reads its whole context (the prompt and the token its prefill sampled); after
+    # a draft of 2 the next reads the tokens sampled since, less the first draft token where it was kept: 1 to 3
+    assert rows[0]["caught_up"] == sum(len(q) + 1 for q in prompts)
+    assert all(r["drafting"] <= r["caught_up"] <= 3 * r["drafting"] for r in rows[1:])
+    assert sum(r["caught_up"] for r in rows) == p.caught_up
 
 
 def _batch_costs(tmp_path, *, drafting_ms: float) -> str:
@@ -199,6 +236,54 @@ def test_a_batch_priced_policy_drafts_less_as_the_batch_grows(pair_dir, tmp_path
     per_step = lambda steps: np.mean([s[0] for req in steps for s in req])  # noqa: E731
     assert per_step(alone) > per_step(crowded)  # the costs of a 16-request batch say: draft less
     assert all(f == _greedy(target, q, 32) for f, q in zip(full, many))
+
+
+def test_a_draft_that_must_catch_up_is_priced_for_it_and_the_policy_drafts_less(pair_dir, tmp_path):
+    target, draft = pair_dir
+    path = _batch_costs(tmp_path, drafting_ms=6.0)
+    priced = BatchCosts.load(path)
+    caught_up = tmp_path / "catch-up.json"
+    BatchCosts(priced.batch_sizes, priced.costs, catch_up_ms_per_token=(200.0, 200.0)).save(caught_up)
+    per_step = {}
+    for name, costs in (("free", path), ("priced", str(caught_up))):
+        p = SpeckvProposer(_config(8), ProposerSettings(draft=draft, policy=GATED, costs=costs))
+        p.load_model()
+        prompts = [[5, 9, 13, 2], [7, 7, 1, 30, 4]]
+        full, steps = _engine(p, target, prompts, 32)
+        assert all(f == _greedy(target, q, 32) for f, q in zip(full, prompts))
+        per_step[name] = np.mean([s[0] for req in steps for s in req])
+    assert per_step["priced"] < per_step["free"]
+
+
+def test_a_drafting_overhead_prices_every_drafting_candidate_alike_on_both_engines():
+    from speckv_policy.runtime import RuntimePolicy
+
+    rng = np.random.default_rng(0)
+    python, graph = (RuntimePolicy(GATED, engine=e, costs=_cost_model()) for e in ("python", "onnxruntime"))
+    assert python.engine == "python" and graph.engine == "onnxruntime"
+    names = python.feature_set.names
+    rows = rng.uniform(0, 1, size=(64, len(names))).astype(np.float32)  # rates, confidence: 0..1
+    for name, high in (("compression_code", 3), ("prev_accepted", 9), ("prev_gamma", 9), ("log_context_len", 7),
+                       ("context_match_len", 9), ("entropy_first", 6)):  # fmt: skip
+        rows[:, names.index(name)] = rng.integers(0, high, size=len(rows)) if high < 7 else rng.uniform(0, high, 64)
+    opened = {}
+    for overhead in (0.0, 1.0, 20.0, 1e6):
+        gates = [python.decide_gate(r.tolist(), drafting_overhead=overhead) for r in rows]
+        assert gates == [graph.decide_gate(r, drafting_overhead=overhead) for r in rows]
+        lengths = [python.decide(r.tolist(), drafting_overhead=overhead) for r in rows]
+        assert lengths == [graph.decide(r, drafting_overhead=overhead) for r in rows]
+        opened[overhead] = sum(gates)
+    assert opened[0.0] >= opened[20.0] and opened[1e6] == 0  # a dearer draft opens the gate no more often
+    assert opened[0.0] > opened[1e6]
+    with pytest.raises(ValueError, match="drafting_overhead must be a finite cost >= 0"):
+        python.decide_gate(rows[0].tolist(), drafting_overhead=-1.0)
+    fallback = RuntimePolicy(GATED, costs=_cost_model(), fallback_gamma=2)
+    with pytest.warns(PolicyFallbackWarning, match="drafting_overhead"):
+        assert fallback.decide(rows[0].tolist(), drafting_overhead=float("nan")) == 2
+
+
+def _cost_model() -> CostModel:
+    return CostModel((6.0,) * 3, (40.0,) * 3, (1.0,) * 3, unit="ms")
 
 
 def test_a_bad_batch_cost_file_falls_back_with_one_warning(pair_dir, tmp_path):

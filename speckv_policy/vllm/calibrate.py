@@ -1,7 +1,8 @@
 """Step costs by batch size, measured inside vLLM: what ``speckv-calibrate --engine vllm`` runs.
 
-One engine, the speckv proposer drafting a random length (0..``max_gamma``) for every request at every step and
-timing each of its calls; batches of 16, 8, 4, 2 and 1 requests, every one generating the same number of tokens. A
+One engine, the speckv proposer drafting a random length (0..``max_gamma``) for every request at every step (and
+now and then keeping a request's draft shut for a run of steps, so that drafts catch up on contexts of every
+length) and timing each of its calls; batches of 16, 8, 4, 2 and 1 requests, every one generating the same number of tokens. A
 proposer call drafts for the whole batch; the time from the end of one call to the start of the next is the rest of
 the engine step (the target's pass over every request's draft, sampling, scheduling). Pairs of consecutive calls
 with the same batch and no new request between them are steps; :meth:`~speckv_policy.batch_costs.BatchCosts.fit`
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..batch_costs import STEP_COLUMNS, BatchCosts
+from ..batch_costs import CATCH_UP_COLUMN, STEP_COLUMNS, BatchCosts
 from .engine import engine_args
 from .proposer import speculative_config
 
@@ -43,11 +44,12 @@ def read_timings(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def engine_steps(calls: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
     """Engine steps from consecutive proposer calls, as :meth:`BatchCosts.fit` reads them.
 
-    Call ``i`` drafts for ``batch`` requests (``draft_ms``: its own duration); the target verifies those drafts
-    before call ``i + 1`` starts (``verify_ms``: the gap). A pair is kept when both calls see the same batch, every
+    Call ``i`` drafts for ``batch`` requests (``draft_ms``: its own duration, ``caught_up``: the context tokens its
+    drafts read before their first draft token); the target verifies those drafts before call ``i + 1`` starts
+    (``verify_ms``: the gap). A pair is kept when both calls see the same batch, every
     request in it was decoding, and call ``i + 1`` met no new request (a new request means a prefill ran in the gap).
     """
-    out: dict[str, list[float]] = {c: [] for c in STEP_COLUMNS}
+    out: dict[str, list[float]] = {c: [] for c in (*STEP_COLUMNS, CATCH_UP_COLUMN)}
     for a, b in zip(calls, calls[1:]):
         same = a["batch"] == b["batch"] and a["decoding"] == a["batch"] and b["decoding"] == b["batch"]
         if not same or b["new"] or b["t_in"] < a["t_out"]:
@@ -57,6 +59,7 @@ def engine_steps(calls: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
         out["verify_ms"].append(1e3 * (b["t_in"] - a["t_out"]))
         out["draft_tokens"].append(a["draft_tokens"])
         out["drafting"].append(a["drafting"])
+        out[CATCH_UP_COLUMN].append(a[CATCH_UP_COLUMN])
     return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
 
 

@@ -52,6 +52,8 @@ PROPOSER_PATH = "speckv_policy.vllm.SpeckvProposer"
 FORGET_AFTER_CALLS = 64
 #: The named rules ``policy`` may give instead of an export or an int.
 RULES = ("sglang-adaptive", "explore")
+#: ``explore``: one drawn 0 in SHUT_ODDS keeps the request's draft shut for a further 0..SHUT_RUN steps
+SHUT_ODDS, SHUT_RUN = 4, 16
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class ProposerSettings:
         An ONNX export (``speckv-export``; its feature set names its mode), an int (a fixed gamma), or a peer's rule:
         ``"sglang-adaptive"`` (SGLang's EMA tiers, :class:`~speckv_policy.peers.SGLangStyleSteps`, one controller
         for the engine as SGLang keeps it) or ``"explore"`` (a uniformly random gamma in ``0..max_gamma`` per
-        request and step: what ``speckv-calibrate --engine vllm`` times).
+        request and step, a drawn 0 now and then holding for a run of steps: what ``speckv-calibrate --engine
+        vllm`` times).
     compression : str, default="fp32"
         The target's compression level, as the policy's features name it.
     temperature : float, default=0.0
@@ -74,7 +77,7 @@ class ProposerSettings:
     costs : str or None
         A cost file (``speckv-calibrate``) to re-price the export with; a batch cost file (``speckv-calibrate
         --engine vllm``, :class:`~speckv_policy.batch_costs.BatchCosts`) prices every step with the costs of the
-        batch it runs in.
+        batch it runs in, and each request's draft with what its draft must first catch up on.
     fallback_gamma : int, default=2
         Gamma drafted where the policy fails (one warning).
     draft_loader : str, default="speckv_policy.hf.models.load_model"
@@ -279,6 +282,24 @@ def _import(path: str) -> Callable[..., Any]:
     return fn
 
 
+class _Explore:
+    """The ``explore`` rule for one request: a uniformly random gamma in ``0..max_gamma`` per step; one drawn 0 in
+    :data:`SHUT_ODDS` holds for a further ``0..SHUT_RUN`` steps, so that a calibration sees drafts catch up on the
+    context they missed while shut, as a policy's shut drafts do."""
+
+    def __init__(self, rng: np.random.Generator, max_gamma: int) -> None:
+        self.rng, self.max_gamma, self.shut = rng, max_gamma, 0
+
+    def __call__(self, step: int) -> int:
+        if self.shut > 0:
+            self.shut -= 1
+            return 0
+        gamma = int(self.rng.integers(0, self.max_gamma + 1))
+        if gamma == 0 and self.rng.integers(0, SHUT_ODDS) == 0:
+            self.shut = int(self.rng.integers(0, SHUT_RUN + 1))
+        return gamma
+
+
 class _Request:
     """One request's decision state across engine steps."""
 
@@ -300,6 +321,14 @@ def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
+
+
+def _reusable(req: _Request, context: np.ndarray) -> int:
+    """How many leading tokens of ``context`` the request's draft cache holds and may keep (0: start afresh); the
+    draft reads the rest before its first draft token (at least one)."""
+    if req.cache is None:
+        return 0
+    return min(_shared_prefix(req.cached, context), len(context) - 1)
 
 
 def _key(tokens: np.ndarray) -> bytes:
@@ -325,6 +354,9 @@ class SpeckvProposer:
         Draft tokens proposed so far.
     draft_failures : int
         Steps whose drafting failed (no draft then; the first one warns).
+    caught_up : int
+        Context tokens the drafts read before their first draft token so far (what they missed while shut, a new
+        request's whole prompt).
     batch_costs : BatchCosts or None
         The batch cost file's costs, when ``costs`` names one.
     """
@@ -345,12 +377,16 @@ class SpeckvProposer:
         self.proposals = 0
         self.drafted = 0
         self.draft_failures = 0
+        self.caught_up = 0
         self.batch_costs: BatchCosts | None = None
         self.runtime: RuntimePolicy | None = None
         self._rule_gamma = 0  # the named rule's or the table's gamma for the request being planned
         self._rule: Callable[[int], int] | None = None  # batch size -> gamma, for the named rules and the table
         self._sglang: SGLangStyleSteps | None = None
         self._priced_batch = 0
+        self._catch_up_ms = 0.0  # what a drafting request pays per context token its draft catches up on
+        self._drafting_overhead = 0.0  # that, for the request being planned: added to its step time if it drafts
+        self._explore: np.random.Generator | None = None
         self._new_requests = 0
         self._timings: Any = None
 
@@ -375,8 +411,8 @@ class SpeckvProposer:
             rule = self._sglang = SGLangStyleSteps()
             self._use_rule(lambda batch: rule.gamma())
         elif s.policy == "explore":
-            rng = np.random.default_rng(s.seed)  # a new draw for every request at every step
-            self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: int(rng.integers(0, self.max_gamma + 1)))
+            self._explore = np.random.default_rng(s.seed)  # a new draw for every request at every step
+            self.mode_name = "fixed"  # each request gets its own schedule (_new_request)
         elif isinstance(s.policy, int):
             gamma = min(s.policy, self.max_gamma)
             self.mode_name, self.decider = "fixed", PlainSchedule(lambda step: gamma)
@@ -404,6 +440,7 @@ class SpeckvProposer:
                 self.batch_costs = BatchCosts.load(s.costs)  # type: ignore[arg-type]
                 rt.reprice(self.batch_costs.at(1))
                 self._priced_batch = 1
+                self._catch_up_ms = self.batch_costs.catch_up_at(1)
             except (CostModelError, PolicyLoadError, OSError) as exc:
                 warnings.warn(
                     f"speckv: cannot price {path} with the batch costs {s.costs} ({exc}); drafting gamma {fallback}",
@@ -417,9 +454,14 @@ class SpeckvProposer:
         self.mode_name = DECLARED_MODE[rt.feature_set.name]
         if self.mode_name == "truncate":
             raise ValueError(f"{path}: a 'paper' export decides after the whole draft; vLLM runs length policies")
+        decide, gate = rt.decide, rt.decide_gate
+        if self.batch_costs is not None and self.batch_costs.catch_up_ms_per_token:
+            # every step is priced with what the request's draft must catch up on before it can draft
+            decide = lambda f: rt.decide(f, drafting_overhead=self._drafting_overhead)  # noqa: E731
+            gate = lambda f: rt.decide_gate(f, drafting_overhead=self._drafting_overhead)  # noqa: E731
         self.decider = PlainDecider(
-            rt.decide,
-            rt.decide_gate if rt.gated else None,
+            decide,
+            gate if rt.gated else None,
             max_gamma=min(int(np.max(rt.candidates)), self.max_gamma),
             lists=rt.engine == "python",
         )
@@ -427,7 +469,8 @@ class SpeckvProposer:
     def _new_request(self) -> _Request:
         s = self.settings
         cap = self.decider.max_gamma if self.mode_name != "fixed" else self.max_gamma
-        mode = make_mode(self.mode_name, self.decider, s.compression, max(1, min(cap, self.max_gamma)))
+        decider = self.decider if self._explore is None else PlainSchedule(_Explore(self._explore, self.max_gamma))
+        mode = make_mode(self.mode_name, decider, s.compression, max(1, min(cap, self.max_gamma)))
         state = OnlineFeatureState(s.compression, s.temperature)
         mode.start(state)
         return _Request(mode, state)
@@ -453,7 +496,7 @@ class SpeckvProposer:
         if self.batch_costs is not None and batch != self._priced_batch:
             self._price_for(batch)
         self._new_requests = 0
-        drafted_before, proposals_before = self.drafted, self.proposals
+        drafted_before, proposals_before, caught_up_before = self.drafted, self.proposals, self.caught_up
         drafting = 0
         out: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
@@ -474,6 +517,7 @@ class SpeckvProposer:
                 "new": self._new_requests,
                 "draft_tokens": self.drafted - drafted_before,
                 "drafting": drafting,
+                "caught_up": self.caught_up - caught_up_before,
             }
             self._timings.write(json.dumps(row) + "\n")
             self._timings.flush()
@@ -487,6 +531,7 @@ class SpeckvProposer:
         try:
             self.runtime.reprice(self.batch_costs.at(batch))  # type: ignore[union-attr]
             self._priced_batch = batch
+            self._catch_up_ms = self.batch_costs.catch_up_at(batch)  # type: ignore[union-attr]
         except (CostModelError, PolicyLoadError) as exc:
             warnings.warn(
                 f"speckv: cannot price the policy at batch size {batch} ({exc}); drafting gamma "
@@ -515,6 +560,7 @@ class SpeckvProposer:
         if req.mode.reads_pre:
             req.matcher.sync(context)
             match_len = req.matcher.match_len()
+        self._drafting_overhead = self._catch_up_ms * (n - _reusable(req, context)) if self._catch_up_ms else 0.0
         cap = req.mode.plan(req.step, n, match_len, budget) if budget > 0 else 0
         draft = self._draft(req, context, cap) if cap > 0 else []
         req.gamma = len(draft)
@@ -538,9 +584,9 @@ class SpeckvProposer:
         logits_seen: list[Any] = []
         try:
             with torch.inference_mode():
-                keep = _shared_prefix(req.cached, context)
-                keep = min(keep, len(context) - 1)  # feed at least one token
-                if req.cache is None or keep == 0:
+                keep = _reusable(req, context)
+                self.caught_up += len(context) - keep
+                if keep == 0:
                     from transformers import DynamicCache
 
                     req.cache, keep = DynamicCache(), 0
