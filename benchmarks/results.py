@@ -253,10 +253,11 @@ def vllm_section(race: dict[str, Any]) -> list[str]:
     mod = _vllm_race_module()
     meta = race["meta"]
     table = mod.markdown(race["summary"], race["arms"], meta)
+    catch_up = meta["costs"].get("catch_up_ms_per_token") or [None] * len(meta["costs"]["batch_sizes"])
     costs = "; ".join(
         f"batch {b}: {c['verify_base_ms'][0]:.1f} ms + {c['draft_ms_per_token'][0] + c['verify_ms_per_token'][0]:.1f}"
-        " ms per draft token"
-        for b, c in zip(meta["costs"]["batch_sizes"], meta["costs"]["costs"])
+        " ms per draft token" + ("" if u is None else f" + {u:.2f} ms per caught-up token")
+        for b, c, u in zip(meta["costs"]["batch_sizes"], meta["costs"]["costs"], catch_up)
     )
     return [
         "## Serving with vLLM",
@@ -264,7 +265,13 @@ def vllm_section(race: dict[str, Any]) -> list[str]:
         "Race `benchmarks/runs/vllm_race.json`: every arm through vLLM's OpenAI-compatible server, a client keeping",
         "*c* requests in flight. `gbt-gated-batch` is the shipped gated policy priced with one request's costs at the",
         "batch size each step runs in, measured inside vLLM first (`speckv-calibrate --engine vllm`: per request "
-        f"{costs}); `vllm-dynamic-sd` is vLLM's table tuned on training prompts as its docs say ({meta['table']})"
+        f"{costs}"
+        + (
+            "; a caught-up token is one the draft reads before it drafts, what it missed while shut"
+            if any(catch_up)
+            else ""
+        )
+        + f"); `vllm-dynamic-sd` is vLLM's table tuned on training prompts as its docs say ({meta['table']})"
         + (
             f", `head-dynamic-sd` the head's, tuned the same way ({meta['head_table']})."
             if meta.get("head_table")

@@ -200,6 +200,7 @@ def summarize(rows: list[dict[str, Any]], arms: list[str], conc: list[int], resa
             return {"ratio": full, "ci": [float(np.quantile(vals, 0.025)), float(np.quantile(vals, 0.975))]}
 
         own = [a for a in VLLM_OWN if a in mats]
+        same_draft = [a for a in own if not a.startswith("head-")]  # what the policy adds to the engine's own rule
         best_all = [a for a in mats if a not in OURS]
         for arm in mats:
             if "none" in mats and arm != "none":
@@ -207,6 +208,8 @@ def summarize(rows: list[dict[str, Any]], arms: list[str], conc: list[int], resa
             if arm in OURS and own:
                 cell[arm]["vs_best_vllm"] = boot(arm, own)  # the best of vLLM's options, chosen per resample
                 cell[arm]["vs_best_arm"] = boot(arm, best_all)
+            if arm in OURS and same_draft:
+                cell[arm]["vs_vllm_same_draft"] = boot(arm, same_draft)
         out[str(c)] = cell
     return out
 
@@ -250,17 +253,20 @@ def markdown(summary: dict, arms: list[str], meta: dict) -> str:
         lines += ["", "Arms that drafted the same K at the same concurrency, each on a server of its own: "
                   + "; ".join(f"{a} / {f} at c = {c}: {r:.2f}x" for a, f, c, r in same)
                   + ". Differences between arms smaller than these are not resolved here."]  # fmt: skip
-    lines += ["", "Our batch-priced policy against the best of vLLM's options (fixed K or its Dynamic SD table, with the draft or "
-              "the head) and "
-              "against the best arm of all, per concurrency (the best chosen again in every resample):", ""]  # fmt: skip
-    lines += ["| concurrency | vs best of vLLM's | vs best arm | best arm |", "|---|---|---|---|"]
+    lines += ["", "Our batch-priced policy against the best of vLLM's options with the same draft (fixed K or its Dynamic SD "
+              "table: what the policy adds to the engine's own rule), against the best of all vLLM's options (the head's "
+              "included) and against the best arm of all, per concurrency (the best chosen again in every resample):",
+              ""]  # fmt: skip
+    lines += ["| concurrency | vs vLLM's with the same draft | vs best of vLLM's | vs best arm | best arm |",
+              "|---|---|---|---|---|"]  # fmt: skip
     for c in conc:
         v = summary[c].get("gbt-gated-batch")
         if not v or "vs_best_vllm" not in v:
             continue
         best = max((a for a in summary[c] if a not in OURS), key=lambda a: summary[c][a]["tokens_per_s"])
         f = lambda r: f"{r['ratio']:.2f}x ({r['ci'][0]:.2f}-{r['ci'][1]:.2f})"  # noqa: E731
-        lines.append(f"| {c} | {f(v['vs_best_vllm'])} | {f(v['vs_best_arm'])} | {best} |")
+        same = f(v["vs_vllm_same_draft"]) if "vs_vllm_same_draft" in v else "-"
+        lines.append(f"| {c} | {same} | {f(v['vs_best_vllm'])} | {f(v['vs_best_arm'])} | {best} |")
     return "\n".join(lines) + "\n"
 
 

@@ -306,7 +306,8 @@ def test_the_vllm_race_summary_pairs_prompts_and_compares_with_the_best_of_vllms
 
     race = load_benchmark("vllm_race.py")
     rng = np.random.default_rng(0)
-    speed = {"none": 1.0, "fixed-1": 1.3, "fixed-2": 1.2, "vllm-dynamic-sd": 1.3, "gbt-gated-batch": 1.4}
+    speed = {"none": 1.0, "fixed-1": 1.3, "fixed-2": 1.2, "vllm-dynamic-sd": 1.3, "gbt-gated-batch": 1.4,
+             "head-fixed-1": 1.5}  # fmt: skip
     rows = []
     for rep in range(2):
         for j in range(6):
@@ -322,10 +323,11 @@ def test_the_vllm_race_summary_pairs_prompts_and_compares_with_the_best_of_vllms
             assert out[arm]["vs_none"]["ratio"] == pytest.approx(s)
             lo, hi = out[arm]["vs_none"]["ci"]
             assert lo == pytest.approx(s) and hi == pytest.approx(s)  # the same ratio on every prompt: no spread
-    assert out["gbt-gated-batch"]["vs_best_vllm"]["ratio"] == pytest.approx(1.4 / 1.3)
+    assert out["gbt-gated-batch"]["vs_best_vllm"]["ratio"] == pytest.approx(1.4 / 1.5)  # the head's arm
+    assert out["gbt-gated-batch"]["vs_vllm_same_draft"]["ratio"] == pytest.approx(1.4 / 1.3)  # the draft's only
     md = race.markdown({"4": out}, list(speed), {"vllm": "0", "machine": "m", "prompts": 6, "max_tokens": 64,
                                                  "repeats": 2, "date": "d"})  # fmt: skip
-    assert "| gbt-gated-batch |" in md and "1.08x" in md
+    assert "| gbt-gated-batch |" in md and "| 4 | 1.08x (1.08-1.08) | 0.93x (0.93-0.93) |" in md
     # a table's arm and the fixed arm of the K the table gives: what separates them is the race's server spread
     same = race.same_k_spread({"4": out}, {"table": [[1, 3, 3], [4, 65536, 1]]})
     assert same == [("vllm-dynamic-sd", "fixed-1", "4", pytest.approx(1.0))]
