@@ -253,10 +253,10 @@ def markdown(summary: dict, arms: list[str], meta: dict) -> str:
         lines += ["", "Arms that drafted the same K at the same concurrency, each on a server of its own: "
                   + "; ".join(f"{a} / {f} at c = {c}: {r:.2f}x" for a, f, c, r in same)
                   + ". Differences between arms smaller than these are not resolved here."]  # fmt: skip
-    lines += ["", "Our batch-priced policy against the best of vLLM's options with the same draft (fixed K or its Dynamic SD "
-              "table: what the policy adds to the engine's own rule), against the best of all vLLM's options (the head's "
-              "included) and against the best arm of all, per concurrency (the best chosen again in every resample):",
-              ""]  # fmt: skip
+    lines += ["", "Our batch-priced policy against the best of vLLM's options with the same draft (fixed K or its "
+              "Dynamic SD table: what the policy adds to the engine's own rule), against the best of all vLLM's "
+              "options (the head's included) and against the best arm of all, per concurrency (the best chosen again "
+              "in every resample):", ""]  # fmt: skip
     lines += ["| concurrency | vs vLLM's with the same draft | vs best of vLLM's | vs best arm | best arm |",
               "|---|---|---|---|---|"]  # fmt: skip
     for c in conc:

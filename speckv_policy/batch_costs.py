@@ -12,8 +12,8 @@ draft last ran (one or a few after a draft, many after the policy kept the draft
 request's first draft). One request's share is ``verify_ms(B) / B + (draft_base_ms + catch_up_ms_per_token * m) *
 (g > 0) + (verify_ms_per_token + draft_ms_per_token) * g``: a :class:`~speckv_policy.objective.CostModel` per batch
 size, with which a policy's expected tokens are priced for the batch the request runs in, plus the catch-up, which
-the proposer adds per request (it knows ``m``). The fixed part shrinks per request as the batch grows while drafting does not, so the
-best draft length falls with load because the measured costs say so. (Maximising the batch's tokens per second
+the proposer adds per request (it knows ``m``). The fixed part shrinks per request as the batch grows while drafting
+does not, so the best draft length falls with load because the measured costs say so. (Maximising the batch's tokens per second
 exactly would price every request with the same multiplier; with requests alike, the per-request ratio is that
 optimum.)
 """

@@ -777,8 +777,10 @@ class RuntimePolicy:
         e = self._session.run(["gate_expected_tokens" if gate else "expected_tokens"], {"features": x})[0]
         table = self._gate_times if gate else self._times
         if table is None:  # not re-priced: the export's own costs, as its graph prices them
-            cm = self.cost_model if not gate else replace(self.cost_model, decision_draft_tokens=0)  # type: ignore[type-var]
-            table = self._times_table(cm.time_table(self.candidates))  # type: ignore[union-attr]
+            cm: Any = self.cost_model
+            table = self._times_table(
+                (replace(cm, decision_draft_tokens=0) if gate else cm).time_table(self.candidates)
+            )
         drafts = np.maximum(self.candidates, probe) > 0
         return int(self._priced(e, x, table + np.float32(overhead) * drafts)[0][0])
 

@@ -259,22 +259,23 @@ def test_a_drafting_overhead_prices_every_drafting_candidate_alike_on_both_engin
     from speckv_policy.runtime import RuntimePolicy
 
     rng = np.random.default_rng(0)
-    python, graph = (RuntimePolicy(GATED, engine=e, costs=_cost_model()) for e in ("python", "onnxruntime"))
-    assert python.engine == "python" and graph.engine == "onnxruntime"
-    names = python.feature_set.names
-    rows = rng.uniform(0, 1, size=(64, len(names))).astype(np.float32)  # rates, confidence: 0..1
-    for name, high in (("compression_code", 3), ("prev_accepted", 9), ("prev_gamma", 9), ("log_context_len", 7),
-                       ("context_match_len", 9), ("entropy_first", 6)):  # fmt: skip
-        rows[:, names.index(name)] = rng.integers(0, high, size=len(rows)) if high < 7 else rng.uniform(0, high, 64)
-    opened = {}
-    for overhead in (0.0, 1.0, 20.0, 1e6):
-        gates = [python.decide_gate(r.tolist(), drafting_overhead=overhead) for r in rows]
-        assert gates == [graph.decide_gate(r, drafting_overhead=overhead) for r in rows]
-        lengths = [python.decide(r.tolist(), drafting_overhead=overhead) for r in rows]
-        assert lengths == [graph.decide(r, drafting_overhead=overhead) for r in rows]
-        opened[overhead] = sum(gates)
-    assert opened[0.0] >= opened[20.0] and opened[1e6] == 0  # a dearer draft opens the gate no more often
-    assert opened[0.0] > opened[1e6]
+    for costs in (_cost_model(), None):  # re-priced, and at the export's own costs
+        python, graph = (RuntimePolicy(GATED, engine=e, costs=costs) for e in ("python", "onnxruntime"))
+        assert python.engine == "python" and graph.engine == "onnxruntime"
+        names = python.feature_set.names
+        rows = rng.uniform(0, 1, size=(64, len(names))).astype(np.float32)  # rates, confidence: 0..1
+        for name, high in (("compression_code", 3), ("prev_accepted", 9), ("prev_gamma", 9), ("log_context_len", 7),
+                           ("context_match_len", 9), ("entropy_first", 6)):  # fmt: skip
+            rows[:, names.index(name)] = rng.integers(0, high, size=64) if high < 7 else rng.uniform(0, high, 64)
+        opened = {}
+        for overhead in (0.0, 1.0, 20.0, 1e6):
+            gates = [python.decide_gate(r.tolist(), drafting_overhead=overhead) for r in rows]
+            assert gates == [graph.decide_gate(r, drafting_overhead=overhead) for r in rows]
+            lengths = [python.decide(r.tolist(), drafting_overhead=overhead) for r in rows]
+            assert lengths == [graph.decide(r, drafting_overhead=overhead) for r in rows]
+            opened[overhead] = sum(gates)
+        assert opened[0.0] >= opened[20.0] and opened[1e6] == 0  # a dearer draft opens the gate no more often
+        assert opened[0.0] > opened[1e6]
     with pytest.raises(ValueError, match="drafting_overhead must be a finite cost >= 0"):
         python.decide_gate(rows[0].tolist(), drafting_overhead=-1.0)
     fallback = RuntimePolicy(GATED, costs=_cost_model(), fallback_gamma=2)

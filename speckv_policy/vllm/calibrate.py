@@ -2,11 +2,11 @@
 
 One engine, the speckv proposer drafting a random length (0..``max_gamma``) for every request at every step (and
 now and then keeping a request's draft shut for a run of steps, so that drafts catch up on contexts of every
-length) and timing each of its calls; batches of 16, 8, 4, 2 and 1 requests, every one generating the same number of tokens. A
-proposer call drafts for the whole batch; the time from the end of one call to the start of the next is the rest of
-the engine step (the target's pass over every request's draft, sampling, scheduling). Pairs of consecutive calls
-with the same batch and no new request between them are steps; :meth:`~speckv_policy.batch_costs.BatchCosts.fit`
-turns them into one request's costs at each batch size.
+length) and timing each of its calls; batches of 16, 8, 4, 2 and 1 requests, every one generating the same number
+of tokens. A proposer call drafts for the whole batch; the time from the end of one call to the start of the next is
+the rest of the engine step (the target's pass over every request's draft, sampling, scheduling). Pairs of
+consecutive calls with the same batch and no new request between them are steps;
+:meth:`~speckv_policy.batch_costs.BatchCosts.fit` turns them into one request's costs at each batch size.
 """
 
 from __future__ import annotations
