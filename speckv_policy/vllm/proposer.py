@@ -560,9 +560,10 @@ class SpeckvProposer:
         if req.mode.reads_pre:
             req.matcher.sync(context)
             match_len = req.matcher.match_len()
-        self._drafting_overhead = self._catch_up_ms * (n - _reusable(req, context)) if self._catch_up_ms else 0.0
+        keep = _reusable(req, context) if self._catch_up_ms else None  # what the draft would not have to read
+        self._drafting_overhead = self._catch_up_ms * (n - keep) if keep is not None else 0.0
         cap = req.mode.plan(req.step, n, match_len, budget) if budget > 0 else 0
-        draft = self._draft(req, context, cap) if cap > 0 else []
+        draft = self._draft(req, context, cap, keep) if cap > 0 else []
         req.gamma = len(draft)
         req.step += 1
         req.last_seen = self.calls
@@ -571,11 +572,12 @@ class SpeckvProposer:
         self.drafted += len(draft)
         return draft
 
-    def _draft(self, req: _Request, context: np.ndarray, cap: int) -> list[int]:
+    def _draft(self, req: _Request, context: np.ndarray, cap: int, keep: int | None = None) -> list[int]:
         """Up to ``cap`` greedy draft tokens after ``context``, as many as the request's mode keeps.
 
         The request's draft cache is kept between steps and cut back to the prefix it shares with the context
-        (rejected draft tokens leave it), so a step feeds the draft only the tokens it has not seen.
+        (rejected draft tokens leave it: ``keep`` tokens, from :func:`_reusable` where the caller has it), so a step
+        feeds the draft only the tokens it has not seen.
         """
         import torch
 
@@ -584,7 +586,7 @@ class SpeckvProposer:
         logits_seen: list[Any] = []
         try:
             with torch.inference_mode():
-                keep = _reusable(req, context)
+                keep = _reusable(req, context) if keep is None else keep
                 self.caught_up += len(context) - keep
                 if keep == 0:
                     from transformers import DynamicCache
