@@ -441,14 +441,16 @@ class RuntimePolicy:
         if not self.repriceable:
             self._prices = self._gate_prices = None
             return
-        cm = self.cost_model
-        table = self._times if self._times is not None else np.float32(cm.time_table(self.candidates))  # type: ignore[union-attr]
-        self._prices = table.tolist()
+        self._prices = (self._times if self._times is not None else self._own_times(gate=False)).tolist()
         if self.gated:
-            gate = self._gate_times
-            if gate is None:
-                gate = np.float32(replace(cm, decision_draft_tokens=0).time_table(self.candidates))  # type: ignore[arg-type]
-            self._gate_prices = gate.tolist()
+            self._gate_prices = (
+                self._gate_times if self._gate_times is not None else self._own_times(gate=True)
+            ).tolist()
+
+    def _own_times(self, *, gate: bool) -> np.ndarray:
+        """The export's own step times (not re-priced), float32 (3, G): the gate's without the probe."""
+        cm: Any = self.cost_model
+        return np.float32((replace(cm, decision_draft_tokens=0) if gate else cm).time_table(self.candidates))
 
     def _program_values(self, program: DecisionProgram, prices: list[list[float]] | None, row: list[float]) -> list:
         tokens = program.expected_tokens(row)
@@ -777,10 +779,7 @@ class RuntimePolicy:
         e = self._session.run(["gate_expected_tokens" if gate else "expected_tokens"], {"features": x})[0]
         table = self._gate_times if gate else self._times
         if table is None:  # not re-priced: the export's own costs, as its graph prices them
-            cm: Any = self.cost_model
-            table = self._times_table(
-                (replace(cm, decision_draft_tokens=0) if gate else cm).time_table(self.candidates)
-            )
+            table = self._own_times(gate=gate)
         drafts = np.maximum(self.candidates, probe) > 0
         return int(self._priced(e, x, table + np.float32(overhead) * drafts)[0][0])
 
