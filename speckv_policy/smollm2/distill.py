@@ -49,6 +49,7 @@ def generate_corpus(
     seed: int = 0,
     dtype: str = "bf16",
     greedy_answers: bool = True,
+    device: str = "cpu",
     progress: bool = True,
 ) -> dict:
     """Let the target answer every prompt; keep tokens and its top-k distribution.
@@ -57,6 +58,7 @@ def generate_corpus(
     a dict of lists: ``ids`` (prompt + answer), ``start`` (first answer
     position), ``topk_ids`` / ``topk_logp`` (per answer position, the target's
     top-k next-token log-probabilities), ``prompt_id``, ``task_type``, ``split``.
+    The target answers on ``device``; what is kept is on the CPU.
     """
     from tqdm.auto import tqdm
 
@@ -64,7 +66,7 @@ def generate_corpus(
     from .models import load_model, load_tokenizer
 
     tok = load_tokenizer("smollm2")
-    model = load_model("smollm2", dtype)
+    model = load_model("smollm2", dtype, device)
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     jobs = [(p, s) for p in prompts for s in range(samples if p.split == "train" else 1)]
@@ -89,8 +91,8 @@ def generate_corpus(
                 mask[j, width - len(e) :] = 1
             with torch.no_grad():
                 gen = model.generate(
-                    ids,
-                    attention_mask=mask,
+                    ids.to(device),
+                    attention_mask=mask.to(device),
                     max_new_tokens=max_new_tokens,
                     do_sample=not greedy,
                     temperature=temperature if not greedy else None,
@@ -103,8 +105,9 @@ def generate_corpus(
             logits = torch.stack(gen.logits, dim=1).float()  # [B, T, V] raw target logits
             logp = torch.log_softmax(logits, -1)
             top = logp.topk(TOPK, dim=-1)
+            top_ids, top_logp, sequences = top.indices.cpu(), top.values.cpu(), gen.sequences.cpu()
             for j, ((p, _), e) in enumerate(zip(chunk, enc)):
-                new = gen.sequences[j, width:]
+                new = sequences[j, width:]
                 n = len(new)
                 if tok.eos_token_id is not None and (new == tok.eos_token_id).any():
                     n = int((new == tok.eos_token_id).nonzero()[0]) + 1
@@ -112,8 +115,8 @@ def generate_corpus(
                     continue
                 out["ids"].append(torch.cat([e, new[:n]]).to(torch.int32))
                 out["start"].append(len(e))
-                out["topk_ids"].append(top.indices[j, :n].to(torch.int32))
-                out["topk_logp"].append(top.values[j, :n].to(torch.float16))
+                out["topk_ids"].append(top_ids[j, :n].to(torch.int32))
+                out["topk_logp"].append(top_logp[j, :n].to(torch.float16))
                 out["prompt_id"].append(p.id)
                 out["task_type"].append(p.task_type)
                 out["split"].append(p.split)

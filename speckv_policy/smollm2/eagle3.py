@@ -91,6 +91,7 @@ def build_eagle3(
     tokens_per_batch: int = 2048,
     compressions: tuple[str, ...] = ("fp32", "int8", "nf4"),
     copy_max_match: int = 8,
+    device: str = "cpu",
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the EAGLE-3 head for SmolLM2 and write its speculators folder to ``out``.
@@ -100,8 +101,9 @@ def build_eagle3(
     are measured once at the end, at every compression in ``compressions`` (the head reads that target's
     features and is compared with that target's greedy tokens). After training, the head's context-copy gate
     (:mod:`speckv_policy.hf.copy_gate`, matches up to ``copy_max_match`` tokens; 0: none) is fitted on the
-    checkpoint-selection answers, and held-out agreement is measured with it and without. ``work`` keeps the features and the training
-    checkpoint, so an interrupted build resumes.
+    checkpoint-selection answers, and held-out agreement is measured with it and without. ``work`` keeps the
+    features and the training checkpoint, so an interrupted build resumes. ``device`` runs the target and the
+    training there (``"cuda"`` on a GPU); the features are kept in CPU memory either way.
     """
     from .models import load_model
 
@@ -119,7 +121,7 @@ def build_eagle3(
         )
     t0 = time.time()
     cached = (work / "features-fp32.pt").exists()
-    target = load_model("smollm2", "fp32")
+    target = load_model("smollm2", "fp32", device)
     cfg = Eagle3Config.for_target(
         target.config, draft_vocab_size, layer_ids, verifier="HuggingFaceTB/SmolLM2-135M-Instruct"
     )
@@ -132,7 +134,7 @@ def build_eagle3(
     if cached:  # a resumed build: the extraction time is that of the run that extracted them, if it recorded one
         feature_minutes = _previous_meta(Path(out)).get("feature_minutes")
     vocab, coverage = choose_vocabulary(f_fit, draft_vocab_size)
-    head = init_head(target, cfg, vocab)
+    head = init_head(target, cfg, vocab).to(device)
     embed = target.get_input_embeddings().weight.detach().float()
     torch.manual_seed(0)
     info = train_head(
@@ -154,7 +156,7 @@ def build_eagle3(
     for comp in compressions:
         if comp == "fp32":
             continue
-        quant = load_model("smollm2", comp)
+        quant = load_model("smollm2", comp, device)
         fq = _cached_features(
             work / f"features-{comp}-heldout.pt", corpus, held, quant, ids, f"features {comp}", progress
         )

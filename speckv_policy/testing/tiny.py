@@ -88,7 +88,7 @@ def tiny_eagle3_head(
     both the accept and the reject paths run (a random tiny target is hard to
     predict: its greedy continuations of ``prompts`` are added, so a test on
     those prompts sees drafts accepted); ``draft_vocab_size`` below the target's
-    exercises the reduced vocabulary.
+    exercises the reduced vocabulary. The head is trained where ``target`` is (a GPU check trains it on CUDA).
     """
     import tempfile
 
@@ -96,12 +96,14 @@ def tiny_eagle3_head(
     from ..hf.eagle3_train import choose_vocabulary, extract_features, init_head, train_head
 
     g = torch.Generator().manual_seed(seed)
+    device = next(target.parameters()).device
     vocab = target.config.vocab_size
     corpus: dict[str, list] = {k: [] for k in ("ids", "start", "task_type", "prompt_id", "split")}
     torch.manual_seed(seed)
     given = [torch.tensor([p]) for p in prompts or []]
     for i in range(texts + len(given)):
         prompt = given[i - texts] if i >= texts else torch.randint(1, vocab, (1, 4), generator=g)
+        prompt = prompt.to(device)
         with torch.no_grad():
             if (
                 i % 2 or i >= texts
@@ -109,7 +111,7 @@ def tiny_eagle3_head(
                 out = target.generate(prompt, max_new_tokens=length, do_sample=False)
             else:
                 out = target.generate(prompt, max_new_tokens=length, do_sample=True, temperature=0.7, top_k=0)
-        corpus["ids"].append(out[0])
+        corpus["ids"].append(out[0].cpu())
         corpus["start"].append(prompt.shape[1])
         corpus["task_type"].append("tiny")
         corpus["prompt_id"].append(f"tiny-{i}")
@@ -117,7 +119,7 @@ def tiny_eagle3_head(
     cfg = Eagle3Config.for_target(target.config, draft_vocab_size or vocab, aux_layer_ids, verifier="tiny")
     feats = extract_features(corpus, list(range(len(corpus["ids"]))), target, cfg.aux_layer_ids, progress=False)
     ids, _ = choose_vocabulary(feats, cfg.draft_vocab_size)
-    head = init_head(target, cfg, ids)
+    head = init_head(target, cfg, ids).to(device)
     embed = target.get_input_embeddings().weight.detach().float()
     with tempfile.TemporaryDirectory() as tmp:
         train_head(
