@@ -754,3 +754,26 @@ def test_feature_extraction_finds_glibc_malloc_trim_where_it_runs_on_glibc():
         assert trim(0) in (0, 1)
     else:  # macOS, Windows, musl: nothing to call, and extraction must not try
         assert trim is None
+
+
+def test_a_head_trained_under_bf16_autocast_keeps_fp32_weights_and_drafts_as_well(eagle_pair):
+    """``precision="bf16"`` (``speckv-distill eagle3 --train-precision bf16``): the same steps on the same texts give
+    other fp32 weights (autocast ran), a head whose drafts are kept about as often as the fp32-trained one's, and
+    output equal to the target's; an unknown precision is refused by name."""
+    target, head32 = eagle_pair
+    head16 = tiny_eagle3_head(target, LAYERS, draft_vocab_size=48, prompts=PROMPTS, precision="bf16")
+    assert all(p.dtype == torch.float32 for p in head16.parameters())
+    assert not torch.equal(head16.layers[0].mlp.up_proj.weight, head32.layers[0].mlp.up_proj.weight)
+    kept = {}
+    for name, head in (("fp32", head32), ("bf16", head16)):
+        kept[name] = 0
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+            with attach(target, 3) as h:
+                out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=head)
+            assert torch.equal(out, ref)
+            kept[name] += sum(s.accepted for s in h.stats)
+    assert kept["bf16"] >= 0.8 * kept["fp32"] > 0, kept
+    with pytest.raises(ValueError, match="precision must be 'fp32' or 'bf16', got 'fp16'"):
+        tiny_eagle3_head(target, LAYERS, draft_vocab_size=48, steps=1, precision="fp16")

@@ -426,10 +426,14 @@ def train_head(
     seed: int = 0,
     progress: bool = True,
     max_steps: int | None = None,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Train ``head`` in place for ``minutes`` of wall clock (resuming ``checkpoint`` if it exists).
 
     ``max_steps`` also ends it (and sets the cosine schedule's length) after that many optimizer steps.
+    ``precision="bf16"`` runs the forward and backward passes under bf16 autocast (the weights and the optimizer
+    stay fp32; validation runs in fp32): 1.7x faster a step on a CPU with AMX, at the same agreement after the same
+    steps, but many times slower where the CPU has no bf16 arithmetic (AVX2 only).
 
     Returns what happened (steps, minutes, validation agreement history) and leaves the best checkpoint's
     weights in ``head``.
@@ -438,6 +442,8 @@ def train_head(
 
     from tqdm.auto import tqdm
 
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     checkpoint = Path(checkpoint)
     slots = _slots(head)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -483,7 +489,8 @@ def train_head(
             t0 = time.perf_counter()
             head.train()
             batch = _collate([train[i] for i in batch_idx], slots)
-            loss, _ = ttt_forward(head, embed, batch, steps)
+            with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss, _ = ttt_forward(head, embed, batch, steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

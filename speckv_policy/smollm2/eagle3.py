@@ -92,6 +92,7 @@ def build_eagle3(
     compressions: tuple[str, ...] = ("fp32", "int8", "nf4"),
     copy_max_match: int = 8,
     device: str = "cpu",
+    train_precision: str = "fp32",
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the EAGLE-3 head for SmolLM2 and write its speculators folder to ``out``.
@@ -103,7 +104,8 @@ def build_eagle3(
     (:mod:`speckv_policy.hf.copy_gate`, matches up to ``copy_max_match`` tokens; 0: none) is fitted on the
     checkpoint-selection answers, and held-out agreement is measured with it and without. ``work`` keeps the
     features and the training checkpoint, so an interrupted build resumes. ``device`` runs the target and the
-    training there (``"cuda"`` on a GPU); the features are kept in CPU memory either way.
+    training there (``"cuda"`` on a GPU); the features are kept in CPU memory either way. ``train_precision``:
+    :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision``.
     """
     from .models import load_model
 
@@ -148,6 +150,7 @@ def build_eagle3(
         lr=lr,
         tokens_per_batch=tokens_per_batch,
         progress=progress,
+        precision=train_precision,
     )
     copy_gate = fit_head_copy_gate(head, embed, f_val, copy_max_match) if copy_max_match > 0 else None
     held_agreement: dict[str, dict[str, float]] = {"fp32": agreement(head, embed, f_held)}
@@ -170,6 +173,7 @@ def build_eagle3(
         "draft_vocab_size": draft_vocab_size,
         "vocabulary_greedy_coverage": round(coverage, 4),
         "ttt_steps": steps,
+        "train_precision": train_precision,
         "lr": lr,
         "tokens_per_batch": tokens_per_batch,
         "fit_prefix": fit_prefix,

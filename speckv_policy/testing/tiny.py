@@ -81,6 +81,7 @@ def tiny_eagle3_head(
     steps: int = 200,
     seed: int = 0,
     prompts: list[list[int]] | None = None,
+    precision: str = "fp32",
 ) -> object:
     """An EAGLE-3 head trained for ``steps`` optimizer steps on ``texts`` sampled continuations of ``target``.
 
@@ -88,7 +89,8 @@ def tiny_eagle3_head(
     both the accept and the reject paths run (a random tiny target is hard to
     predict: its greedy continuations of ``prompts`` are added, so a test on
     those prompts sees drafts accepted); ``draft_vocab_size`` below the target's
-    exercises the reduced vocabulary. The head is trained where ``target`` is (a GPU check trains it on CUDA).
+    exercises the reduced vocabulary. The head is trained where ``target`` is (a GPU check trains it on CUDA), in
+    ``precision`` (:func:`~speckv_policy.hf.eagle3_train.train_head`).
     """
     import tempfile
 
@@ -135,5 +137,6 @@ def tiny_eagle3_head(
             progress=False,
             tokens_per_batch=256,
             eval_minutes=60.0,
+            precision=precision,
         )
     return head.eval()
