@@ -570,14 +570,22 @@ def test_a_head_on_onednn_layers_drafts_as_before(eagle_pair):
     assert torch.equal(runs[0][0], target.generate(ids, max_new_tokens=24, do_sample=False))
 
 
-def test_the_head_is_accepted_on_what_it_learned(eagle_pair):
-    target, head = eagle_pair
+def _greedy_runs_with_head(target, head, gamma, max_new_tokens):
+    """One hook per prompt of PROMPTS, drafting ``gamma`` with ``head``; each output checked equal to the target's."""
+    hooks = []
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
-        ref = target.generate(ids, max_new_tokens=30, do_sample=False)
-        with attach(target, 4) as h:
-            out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=head)
-        assert torch.equal(out, ref)
+        ref = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        with attach(target, gamma) as h:
+            out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=head)
+        assert torch.equal(out, ref), prompt
+        hooks.append(h)
+    return hooks
+
+
+def test_the_head_is_accepted_on_what_it_learned(eagle_pair):
+    target, head = eagle_pair
+    for prompt, h in zip(PROMPTS, _greedy_runs_with_head(target, head, 4, 30)):
         assert h.summary()["acceptance"] > 0.15, prompt
 
 
@@ -764,16 +772,10 @@ def test_a_head_trained_under_bf16_autocast_keeps_fp32_weights_and_drafts_as_wel
     head16 = tiny_eagle3_head(target, LAYERS, draft_vocab_size=48, prompts=PROMPTS, precision="bf16")
     assert all(p.dtype == torch.float32 for p in head16.parameters())
     assert not torch.equal(head16.layers[0].mlp.up_proj.weight, head32.layers[0].mlp.up_proj.weight)
-    kept = {}
-    for name, head in (("fp32", head32), ("bf16", head16)):
-        kept[name] = 0
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            ref = target.generate(ids, max_new_tokens=24, do_sample=False)
-            with attach(target, 3) as h:
-                out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=head)
-            assert torch.equal(out, ref)
-            kept[name] += sum(s.accepted for s in h.stats)
+    kept = {
+        name: sum(s.accepted for h in _greedy_runs_with_head(target, head, 3, 24) for s in h.stats)
+        for name, head in (("fp32", head32), ("bf16", head16))
+    }
     assert kept["bf16"] >= 0.8 * kept["fp32"] > 0, kept
     with pytest.raises(ValueError, match="precision must be 'fp32' or 'bf16', got 'fp16'"):
         tiny_eagle3_head(target, LAYERS, draft_vocab_size=48, steps=1, precision="fp16")
