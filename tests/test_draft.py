@@ -49,6 +49,26 @@ def test_corpus_records_the_targets_distribution(corpus):
             assert torch.equal(chosen, corpus["topk_logp"][i][:, 0])
 
 
+def test_corpus_top_k_is_the_targets_distribution_at_each_answer_position():
+    """Recorded during generation (greedy and sampled, left-padded batch), equal to a teacher-forced pass."""
+    from speckv_policy.smollm2.models import load_model
+
+    prompts = [
+        Prompt("a", "code", "train", text="Write a Python function that adds two numbers."),
+        Prompt("b", "chat", "train", text="Name three colours."),
+    ]
+    corpus = generate_corpus(prompts, samples=2, max_new_tokens=10, batch_size=4, dtype="fp32", progress=False)
+    assert len(corpus["ids"]) == 4 and sorted(corpus["greedy"]) == [False, False, True, True]
+    model = load_model("smollm2", "fp32")
+    for ids, start, top_ids, top_logp in zip(corpus["ids"], corpus["start"], corpus["topk_ids"], corpus["topk_logp"]):
+        assert top_ids.shape == top_logp.shape == (len(ids) - start, 32)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids[None].long()).logits[0].float(), -1)
+        forced = logp[start - 1 : len(ids) - 1]  # the distribution of answer token j is read at position start-1+j
+        torch.testing.assert_close(forced.gather(1, top_ids.long()), top_logp.float(), atol=1e-3, rtol=1e-3)  # fp16 storage
+        torch.testing.assert_close(top_logp[:, 0].float(), forced.max(-1).values, atol=1e-3, rtol=1e-3)
+
+
 def test_train_save_load_round_trip(corpus, tmp_path):
     model, meta = train_draft(corpus, head_size=512, minutes=0.05, val_fraction=0.0, progress=False)
     assert meta["steps"] >= 1 and meta["head_size"] == 512 and meta["layers"] == [0, 1]

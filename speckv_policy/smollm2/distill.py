@@ -62,7 +62,6 @@ def generate_corpus(
     """
     from tqdm.auto import tqdm
 
-    from ..prompts import encode_prompt
     from .models import load_model, load_tokenizer
 
     tok = load_tokenizer("smollm2")
@@ -76,54 +75,106 @@ def generate_corpus(
         k: [] for k in ("ids", "start", "topk_ids", "topk_logp", "prompt_id", "task_type", "split", "greedy")
     }
     torch.manual_seed(seed)
+    recorder = _TopKRecorder(TOPK)
+    handle = model.get_output_embeddings().register_forward_hook(recorder)
     bar = tqdm(total=len(jobs), desc="corpus", disable=not progress, file=sys.stderr)
-    for greedy in (True, False):
-        todo = [(p, s) for p, s in jobs if (s == 0) == greedy]
-        todo.sort(key=lambda job: len(job[0].text or job[0].input_ids or ""))  # similar lengths: little padding
-        for i in range(0, len(todo), batch_size):
-            chunk = todo[i : i + batch_size]
-            enc = [torch.tensor(encode_prompt(p, tok)) for p, _ in chunk]
-            width = max(len(e) for e in enc)
-            ids = torch.full((len(enc), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, e in enumerate(enc):
-                ids[j, width - len(e) :] = e
-                mask[j, width - len(e) :] = 1
-            with torch.no_grad():
-                gen = model.generate(
-                    ids.to(device),
-                    attention_mask=mask.to(device),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=not greedy,
-                    temperature=temperature if not greedy else None,
-                    top_p=None,
-                    top_k=None,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=pad,
-                )
-            logits = torch.stack(gen.logits, dim=1).float()  # [B, T, V] raw target logits
-            logp = torch.log_softmax(logits, -1)
-            top = logp.topk(TOPK, dim=-1)
-            top_ids, top_logp, sequences = top.indices.cpu(), top.values.cpu(), gen.sequences.cpu()
-            for j, ((p, _), e) in enumerate(zip(chunk, enc)):
-                new = sequences[j, width:]
-                n = len(new)
-                if tok.eos_token_id is not None and (new == tok.eos_token_id).any():
-                    n = int((new == tok.eos_token_id).nonzero()[0]) + 1
-                if n < 2:
-                    continue
-                out["ids"].append(torch.cat([e, new[:n]]).to(torch.int32))
-                out["start"].append(len(e))
-                out["topk_ids"].append(top_ids[j, :n].to(torch.int32))
-                out["topk_logp"].append(top_logp[j, :n].to(torch.float16))
-                out["prompt_id"].append(p.id)
-                out["task_type"].append(p.task_type)
-                out["split"].append(p.split)
-                out["greedy"].append(greedy)
-            bar.update(len(chunk))
-    bar.close()
+    try:
+        for greedy in (True, False):
+            todo = [(p, s) for p, s in jobs if (s == 0) == greedy]
+            todo.sort(key=lambda job: len(job[0].text or job[0].input_ids or ""))  # similar lengths: little padding
+            for i in range(0, len(todo), batch_size):
+                chunk = todo[i : i + batch_size]
+                _answer_batch(model, tok, chunk, pad, recorder, out, greedy, max_new_tokens, temperature, device)
+                bar.update(len(chunk))
+    finally:
+        handle.remove()
+        bar.close()
     return out
+
+
+class _TopKRecorder:
+    """Forward hook on the target's output layer: the top-k next-token log-probabilities of each step.
+
+    Every forward pass of ``generate`` produces the logits of one new token per row (the prompt's
+    pass, then one per decoded token); only the last position's top-k is kept, so memory does not
+    grow with the vocabulary (holding every step's full logits took 11.5 GB for 64 answers of 160 tokens).
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.ids: list[torch.Tensor] = []
+        self.logp: list[torch.Tensor] = []
+
+    def __call__(self, module: Any, inputs: Any, logits: torch.Tensor) -> None:
+        top = torch.log_softmax(logits[:, -1].float(), -1).topk(self.k, dim=-1)
+        self.ids.append(top.indices)
+        self.logp.append(top.values)
+
+    def clear(self) -> None:
+        """Forget what was recorded."""
+        self.ids, self.logp = [], []
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, steps, k]`` token ids and log-probabilities recorded since the last call (on the CPU)."""
+        ids, logp = torch.stack(self.ids, 1).cpu(), torch.stack(self.logp, 1).cpu()
+        self.ids, self.logp = [], []
+        return ids, logp
+
+
+def _answer_batch(
+    model: Any,
+    tok: Any,
+    chunk: list[tuple[Any, int]],
+    pad: int,
+    recorder: _TopKRecorder,
+    out: dict[str, list],
+    greedy: bool,
+    max_new_tokens: int,
+    temperature: float,
+    device: str,
+) -> None:
+    """Answer one batch of prompts (left-padded) and append its answers and top-k rows to ``out``."""
+    from ..prompts import encode_prompt
+
+    enc = [torch.tensor(encode_prompt(p, tok)) for p, _ in chunk]
+    width = max(len(e) for e in enc)
+    ids = torch.full((len(enc), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, e in enumerate(enc):
+        ids[j, width - len(e) :] = e
+        mask[j, width - len(e) :] = 1
+    recorder.clear()  # nothing left over from a batch that failed
+    with torch.no_grad():
+        sequences = model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=temperature if not greedy else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        ).cpu()
+    top_ids, top_logp = recorder.take()
+    if top_ids.shape[1] != sequences.shape[1] - width:
+        raise RuntimeError(
+            f"the target ran {top_ids.shape[1]} forward passes for {sequences.shape[1] - width} new tokens"
+        )
+    for j, ((p, _), e) in enumerate(zip(chunk, enc)):
+        new = sequences[j, width:]
+        n = len(new)
+        if tok.eos_token_id is not None and (new == tok.eos_token_id).any():
+            n = int((new == tok.eos_token_id).nonzero()[0]) + 1
+        if n < 2:
+            continue
+        out["ids"].append(torch.cat([e, new[:n]]).to(torch.int32))
+        out["start"].append(len(e))
+        out["topk_ids"].append(top_ids[j, :n].to(torch.int32))
+        out["topk_logp"].append(top_logp[j, :n].to(torch.float16))
+        out["prompt_id"].append(p.id)
+        out["task_type"].append(p.task_type)
+        out["split"].append(p.split)
+        out["greedy"].append(greedy)
 
 
 # ----------------------------------------------------------------------------- training
