@@ -65,9 +65,8 @@ def test_corpus_top_k_is_the_targets_distribution_at_each_answer_position():
         with torch.no_grad():
             logp = torch.log_softmax(model(ids[None].long()).logits[0].float(), -1)
         forced = logp[start - 1 : len(ids) - 1]  # the distribution of answer token j is read at position start-1+j
-        torch.testing.assert_close(
-            forced.gather(1, top_ids.long()), top_logp.float(), atol=1e-3, rtol=1e-3
-        )  # fp16 storage
+        # the recorded log-probabilities are stored in fp16: rtol 1e-3
+        torch.testing.assert_close(forced.gather(1, top_ids.long()), top_logp.float(), atol=1e-3, rtol=1e-3)
         torch.testing.assert_close(top_logp[:, 0].float(), forced.max(-1).values, atol=1e-3, rtol=1e-3)
 
 

@@ -110,10 +110,6 @@ class _TopKRecorder:
         self.ids.append(top.indices)
         self.logp.append(top.values)
 
-    def clear(self) -> None:
-        """Forget what was recorded."""
-        self.ids, self.logp = [], []
-
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, steps, k]`` token ids and log-probabilities recorded since the last call (on the CPU)."""
         ids, logp = torch.stack(self.ids, 1).cpu(), torch.stack(self.logp, 1).cpu()
@@ -143,7 +139,6 @@ def _answer_batch(
     for j, e in enumerate(enc):
         ids[j, width - len(e) :] = e
         mask[j, width - len(e) :] = 1
-    recorder.clear()  # nothing left over from a batch that failed
     with torch.no_grad():
         sequences = model.generate(
             ids.to(device),
