@@ -334,6 +334,26 @@ def test_training_time_test_learns_and_the_chain_mask_reads_its_own_rows():
         assert not torch.allclose(step1(batch)[0, 10:], step1(b2)[0, 10:], atol=1e-3)
 
 
+def test_padding_a_training_batch_wider_changes_neither_its_loss_nor_its_hits():
+    """Training pads batches to a multiple of 16 (oneDNN's kernels per shape): the padding must be invisible."""
+    from speckv_policy.hf.eagle3_train import TRAIN_PAD_MULTIPLE, _collate, _slots  # noqa: PLC2701
+
+    target, cfg, short = _random_texts(3, 13, 4)
+    _, _, long = _random_texts(2, 21, 6)
+    feats = short + long
+    head = init_head(target, cfg, torch.arange(64))
+    emb = target.get_input_embeddings().weight.detach()
+    plain = _collate(feats, _slots(head))
+    padded = _collate(feats, _slots(head), TRAIN_PAD_MULTIPLE)
+    assert plain["ids"].shape[1] == 21 and padded["ids"].shape[1] == 32 == 2 * TRAIN_PAD_MULTIPLE
+    assert torch.equal(padded["length"], plain["length"])
+    for steps in (1, 3):
+        loss, stats = ttt_forward(head, emb, plain, steps)
+        loss_p, stats_p = ttt_forward(head, emb, padded, steps)
+        assert stats_p == stats and sum(n for _, n in stats) > 0
+        assert torch.allclose(loss_p, loss, rtol=1e-5, atol=1e-6)
+
+
 def test_training_resumes_from_its_checkpoint(tmp_path):
     target, cfg, feats = _random_texts(8, 16, 3)
     emb = target.get_input_embeddings().weight.detach()
