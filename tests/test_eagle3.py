@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -744,31 +745,94 @@ def test_model_loading_and_race_arms_know_heads(tmp_path):
 def test_a_corrupt_features_cache_is_named(tmp_path):
     from speckv_policy.smollm2.eagle3 import _cached_features  # noqa: PLC2701 - the build's cache reader
 
-    bad = tmp_path / "features-fp32.pt"
-    bad.write_bytes(b"not a torch file")
-    with pytest.raises(ValueError, match="features-fp32.pt: not a features file of this build"):
-        _cached_features(bad, {}, [], None, LAYERS, "x", False)
-    assert bad.read_bytes() == b"not a torch file"  # left for the user to inspect, nothing overwritten
+    legacy = tmp_path / "features-fp32.pt"  # the single file of builds before shards
+    legacy.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="features-fp32.pt: not a features file of this build .* delete it to"):
+        _cached_features(tmp_path / "features-fp32", {}, [], None, LAYERS, "x", False)
+    assert legacy.read_bytes() == b"not a torch file"  # left for the user to inspect, nothing overwritten
+    shard = tmp_path / "features-int8-heldout" / "part-00000.pt"
+    shard.parent.mkdir()
+    shard.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="part-00000.pt: not a features file of this build .* delete the folder to"):
+        _cached_features(shard.parent, {"ids": [torch.tensor([1, 2])]}, [0], None, LAYERS, "x", False)
+    assert shard.read_bytes() == b"not a torch file"
 
 
-def test_a_features_cache_of_another_corpus_is_refused(tmp_path):
+def test_a_features_cache_of_another_corpus_is_refused(tmp_path, monkeypatch):
+    from speckv_policy.smollm2 import eagle3 as build
     from speckv_policy.smollm2.eagle3 import _cached_features  # noqa: PLC2701 - the build's cache reader
 
+    monkeypatch.setattr(build, "SHARD_TEXTS", 2)
     ids = [torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([4, 5], dtype=torch.int32)]
-    path = tmp_path / "features-fp32.pt"
+    folder = tmp_path / "features-fp32"
+    folder.mkdir()
+    path = folder / "part-00000.pt"
     torch.save([{"ids": ids[0].long()}, {"ids": ids[1].long()}], path)
-    assert len(_cached_features(path, {"ids": ids}, [0, 1], None, LAYERS, "x", False)) == 2
+    feats, extracted = _cached_features(folder, {"ids": ids}, [0, 1], None, LAYERS, "x", False)
+    assert len(feats) == 2 and extracted == 0
     cases = (
         ({"ids": ids}, [0], "it holds 2 texts where the corpus asks for 1"),
         ({"ids": [ids[0], torch.tensor([4, 6])]}, [0, 1], "its text 1 has other token ids than the corpus' text 1"),
     )
     for corpus, idx, why in cases:
         with pytest.raises(ValueError, match=re.escape(why) + r" \(the corpus changed since they were extracted\)"):
-            _cached_features(path, corpus, idx, None, LAYERS, "x", False)
+            _cached_features(folder, corpus, idx, None, LAYERS, "x", False)
+    torch.save([{"ids": ids[1].long()}], folder / "part-00001.pt")  # a shard the corpus does not ask for
+    with pytest.raises(ValueError, match="holds part-00001.pt where the corpus asks for 1 shards of 2 texts"):
+        _cached_features(folder, {"ids": ids}, [0, 1], None, LAYERS, "x", False)
+    (folder / "part-00001.pt").unlink()
     for other in ({"ids": ids}, [{"aux": ids[0]}], [{"ids": [1, 2, 3]}]):  # loads, but is not this build's list
         torch.save(other, path)
         with pytest.raises(ValueError, match="not a features file of this build .expected a list of texts"):
-            _cached_features(path, {"ids": ids}, [0, 1], None, LAYERS, "x", False)
+            _cached_features(folder, {"ids": ids}, [0, 1], None, LAYERS, "x", False)
+    legacy = tmp_path / "features-old.pt"  # a single file of builds before shards is still read
+    torch.save([{"ids": ids[1].long()}], legacy)
+    feats, extracted = _cached_features(tmp_path / "features-old", {"ids": ids}, [1], None, LAYERS, "x", False)
+    assert len(feats) == 1 and extracted == 0
+
+
+def test_features_are_extracted_in_shards_read_back_mapped_and_resumed(tmp_path, monkeypatch):
+    """Each shard is saved once extracted and read memory-mapped; a lost shard alone is extracted again."""
+    from speckv_policy.smollm2 import eagle3 as build
+    from speckv_policy.smollm2.eagle3 import _cached_features  # noqa: PLC2701 - the build's cache reader
+
+    monkeypatch.setattr(build, "SHARD_TEXTS", 2)
+    target, _ = tiny_llama_pair(vocab_size=64, layers=3, seed=1, layer_scale=0.2)
+    g = torch.Generator().manual_seed(3)
+    n = 5
+    corpus = {"ids": [torch.randint(1, 64, (8 + 3 * i,), generator=g) for i in range(n)], "start": [4] * n}
+    corpus.update(task_type=["t"] * n, prompt_id=[str(i) for i in range(n)], split=["train"] * n)
+    idx = [4, 0, 3, 1, 2]
+    direct = extract_features(corpus, idx, target, LAYERS, progress=False)
+    folder = tmp_path / "features-fp32"
+    feats, extracted = _cached_features(folder, corpus, idx, target, LAYERS, "x", False)
+    assert extracted == 5 and sorted(p.name for p in folder.iterdir()) == [f"part-0000{k}.pt" for k in range(3)]
+    for f, d in zip(feats, direct):
+        assert torch.equal(f["ids"], d["ids"]) and torch.equal(f["aux"], d["aux"])
+        assert torch.equal(f["top_ids"], d["top_ids"]) and f["prompt_id"] == d["prompt_id"]
+    if Path("/proc/self/maps").exists():  # mapped from its shard, not copied into the heap
+        ptr = feats[4]["aux"].data_ptr()
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                assert line.endswith("part-00002.pt")
+                break
+        else:
+            raise AssertionError("the shard's features are in no mapping")
+    (folder / "part-00001.pt").unlink()
+    calls = []
+    target.register_forward_hook(lambda *a: calls.append(1))
+    feats2, extracted = _cached_features(folder, corpus, idx, target, LAYERS, "x", False)
+    assert extracted == 2 and len(calls) == 1 and all(torch.equal(f["aux"], d["aux"]) for f, d in zip(feats2, direct))
+    (folder / "part-00002.pt").unlink()
+
+    def fail(*_):
+        raise RuntimeError("interrupted")
+
+    target.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _cached_features(folder, corpus, idx, target, LAYERS, "x", False)
+    assert sorted(p.name for p in folder.iterdir()) == ["part-00000.pt", "part-00001.pt"]  # no half-written shard
 
 
 def test_feature_extraction_finds_glibc_malloc_trim_where_it_runs_on_glibc():

@@ -33,8 +33,8 @@ $PY -m speckv_policy.cli.distill copy --corpus "$B/corpus.pt" --draft datasets/s
 #     sampled at T = 0.8 in bf16 (~27 min); then `speckv-distill eagle3` reads every answer once teacher-forced in
 #     fp32 (the states entering target layers 2, 15, 27 and the top-16 next-token log-probabilities, ~20 min),
 #     picks the 8,192-token vocabulary, trains with training-time test (2 steps) within the wall-clock budget and
-#     measures held-out agreement at fp32 / INT8 / NF4 (peak ~6 GB resident). Features and checkpoints live in
-#     $B/eagle3, so an interrupted build resumes.
+#     measures held-out agreement at fp32 / INT8 / NF4 (~2 GB of memory besides the features' file pages). Features
+#     (shards of 512 texts, read memory-mapped) and checkpoints live in $B/eagle3, so an interrupted build resumes.
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-fp32.pt" \
     --samples 1 --max-new-tokens 128 --batch-size 64 --dtype fp32
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-sampled.pt" \

@@ -187,7 +187,11 @@ def _main(argv: list[str] | None = None) -> int:
     )
     h.add_argument("--corpus", required=True, help="corpus file(s), comma-separated")
     h.add_argument("--out", required=True, help="head folder to write (config.json, model.safetensors, speckv.json)")
-    h.add_argument("--work", required=True, help="folder for the features and the checkpoint (resumes from it)")
+    h.add_argument(
+        "--work",
+        required=True,
+        help="folder for the features (shards of 512 texts, read memory-mapped) and the checkpoint (resumes from both)",
+    )
     h.add_argument(
         "--minutes", type=float_in(0.0, 1e6, low_open=True), default=33.0, help="training time budget (default 33)"
     )
@@ -210,7 +214,7 @@ def _main(argv: list[str] | None = None) -> int:
         "--device",
         type=torch_device,
         default="cpu",
-        help="torch device the target and the training run on: cpu (default) or cuda[:N]; features stay in CPU memory",
+        help="torch device the target and the training run on: cpu (default) or cuda[:N]; features stay in --work",
     )
     h.add_argument(
         "--train-precision",

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import atomic_write
 from ..hf.eagle3 import Eagle3Config
 from ..hf.eagle3_train import (
     agreement,
@@ -24,44 +25,81 @@ from ..hf.eagle3_train import (
     train_head,
 )
 
+# texts per features shard: one shard is in memory while it is extracted (~0.3 GB of SmolLM2 features)
+SHARD_TEXTS = 512
+
+
+def _load_features(path: Path, corpus: dict, idx: list[int], stale_hint: str) -> list[dict[str, Any]]:
+    """A features file's texts, memory-mapped (pages are read as they are used), checked against corpus texts ``idx``."""
+    try:  # weights_only: tensors, lists, strings and numbers; a pickle payload cannot run
+        feats = torch.load(path, weights_only=True, mmap=True)
+    except Exception as exc:
+        raise ValueError(
+            f"{path}: not a features file of this build ({type(exc).__name__}); {stale_hint} to extract again"
+        ) from None
+    if not isinstance(feats, list) or not all(
+        isinstance(f, dict) and isinstance(f.get("ids"), torch.Tensor) for f in feats
+    ):
+        raise ValueError(
+            f"{path}: not a features file of this build (expected a list of texts, each with its token 'ids'); "
+            f"{stale_hint} to extract again"
+        )
+    if len(feats) != len(idx):
+        stale = f"it holds {len(feats)} texts where the corpus asks for {len(idx)}"
+    else:
+        k = next(
+            (k for k, (f, i) in enumerate(zip(feats, idx)) if not torch.equal(f["ids"], corpus["ids"][i].long())),
+            None,
+        )
+        stale = None if k is None else f"its text {k} has other token ids than the corpus' text {idx[k]}"
+    if stale:
+        raise ValueError(
+            f"{path}: {stale} (the corpus changed since they were extracted); {stale_hint} or use another --work folder"
+        )
+    return feats
+
 
 def _cached_features(
-    path: Path, corpus: dict, idx: list[int], model: Any, layer_ids: tuple[int, ...], desc: str, progress: bool
-) -> list[dict[str, Any]]:
-    """Load features from ``path`` (tensors only; checked against the corpus' texts) or extract and save them."""
-    if path.exists():
-        try:  # weights_only: tensors, lists, strings and numbers; a pickle payload cannot run
-            feats = torch.load(path, weights_only=True)
-        except Exception as exc:
-            raise ValueError(
-                f"{path}: not a features file of this build ({type(exc).__name__}); delete it to extract again"
-            ) from None
-        if not isinstance(feats, list) or not all(
-            isinstance(f, dict) and isinstance(f.get("ids"), torch.Tensor) for f in feats
-        ):
-            raise ValueError(
-                f"{path}: not a features file of this build (expected a list of texts, each with its token 'ids'); "
-                "delete it to extract again"
+    folder: Path, corpus: dict, idx: list[int], model: Any, layer_ids: tuple[int, ...], desc: str, progress: bool
+) -> tuple[list[dict[str, Any]], int]:
+    """The features of corpus texts ``idx`` and how many of them were extracted now (the rest were read).
+
+    ``folder`` holds them in shards of :data:`SHARD_TEXTS` texts (``part-00000.pt``, ...), each saved as soon as it
+    is extracted, so an interrupted build resumes at the next shard; all are read back memory-mapped, so the build
+    holds one shard in memory rather than every text's features. A single ``<folder>.pt`` file, as builds before the
+    shards wrote, is read instead where there is no folder.
+    """
+    legacy = folder.with_suffix(".pt")
+    if legacy.exists() and not folder.exists():
+        return _load_features(legacy, corpus, idx, "delete it"), 0
+    parts = [idx[k : k + SHARD_TEXTS] for k in range(0, len(idx), SHARD_TEXTS)]
+    names = [f"part-{k:05d}.pt" for k in range(len(parts))]
+    folder.mkdir(parents=True, exist_ok=True)
+    stray = sorted(p.name for p in folder.glob("part-*.pt") if p.name not in names)
+    if stray:
+        raise ValueError(
+            f"{folder}: holds {stray[0]} where the corpus asks for {len(parts)} shards of {SHARD_TEXTS} texts "
+            "(the corpus changed since they were extracted); delete the folder or use another --work folder"
+        )
+    feats: list[dict[str, Any]] = []
+    extracted = 0
+    for k, (part, name) in enumerate(zip(parts, names)):
+        path = folder / name
+        if not path.exists():
+            new = extract_features(
+                corpus,
+                part,
+                model,
+                layer_ids,
+                progress=progress,
+                desc=f"{desc} {k + 1}/{len(parts)}",
+                tokens_per_batch=2048,
             )
-        if len(feats) != len(idx):
-            stale = f"it holds {len(feats)} texts where the corpus asks for {len(idx)}"
-        else:
-            k = next(
-                (k for k, (f, i) in enumerate(zip(feats, idx)) if not torch.equal(f["ids"], corpus["ids"][i].long())),
-                None,
-            )
-            stale = None if k is None else f"its text {k} has other token ids than the corpus' text {idx[k]}"
-        if stale:
-            raise ValueError(
-                f"{path}: {stale} (the corpus changed since they were extracted); delete it or use another --work "
-                "folder"
-            )
-        return feats
-    feats = extract_features(corpus, idx, model, layer_ids, progress=progress, desc=desc, tokens_per_batch=2048)
-    tmp = path.with_suffix(".tmp")
-    torch.save(feats, tmp)
-    tmp.replace(path)
-    return feats
+            atomic_write(path, lambda tmp: torch.save(new, tmp))  # noqa: B023 - called at once
+            del new
+            extracted += len(part)
+        feats += _load_features(path, corpus, part, "delete the folder")
+    return feats, extracted
 
 
 def _previous_meta(folder: Path) -> dict[str, Any]:
@@ -103,8 +141,9 @@ def build_eagle3(
     features and is compared with that target's greedy tokens). After training, the head's context-copy gate
     (:mod:`speckv_policy.hf.copy_gate`, matches up to ``copy_max_match`` tokens; 0: none) is fitted on the
     checkpoint-selection answers, and held-out agreement is measured with it and without. ``work`` keeps the
-    features and the training checkpoint, so an interrupted build resumes. ``device`` runs the target and the
-    training there (``"cuda"`` on a GPU); the features are kept in CPU memory either way. ``train_precision``:
+    features (in shards, read memory-mapped: see :func:`_cached_features`) and the training checkpoint, so an
+    interrupted build resumes. ``device`` runs the target and the training there (``"cuda"`` on a GPU); the
+    features stay in ``work`` either way. ``train_precision``:
     :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision``.
     """
     from .models import load_model
@@ -122,19 +161,22 @@ def build_eagle3(
             f"and other training prompts' greedy answers (got {len(val)})"
         )
     t0 = time.time()
-    cached = (work / "features-fp32.pt").exists()
     target = load_model("smollm2", "fp32", device)
     cfg = Eagle3Config.for_target(
         target.config, draft_vocab_size, layer_ids, verifier="HuggingFaceTB/SmolLM2-135M-Instruct"
     )
     ids = cfg.aux_layer_ids
-    feats = _cached_features(
-        work / "features-fp32.pt", corpus, fit + val + held, target, ids, "features fp32", progress
+    feats, extracted = _cached_features(
+        work / "features-fp32", corpus, fit + val + held, target, ids, "features fp32", progress
     )
     f_fit, f_val, f_held = feats[: len(fit)], feats[len(fit) : len(fit) + len(val)], feats[len(fit) + len(val) :]
     feature_minutes: float | None = round((time.time() - t0) / 60, 1)
-    if cached:  # a resumed build: the extraction time is that of the run that extracted them, if it recorded one
+    if (
+        extracted == 0
+    ):  # a resumed build: the extraction time is that of the run that extracted them, if it recorded one
         feature_minutes = _previous_meta(Path(out)).get("feature_minutes")
+    elif extracted < len(feats):  # resumed part way through: no one run's time is the extraction's
+        feature_minutes = None
     vocab, coverage = choose_vocabulary(f_fit, draft_vocab_size)
     head = init_head(target, cfg, vocab).to(device)
     embed = target.get_input_embeddings().weight.detach().float()
@@ -160,8 +202,8 @@ def build_eagle3(
         if comp == "fp32":
             continue
         quant = load_model("smollm2", comp, device)
-        fq = _cached_features(
-            work / f"features-{comp}-heldout.pt", corpus, held, quant, ids, f"features {comp}", progress
+        fq, _ = _cached_features(
+            work / f"features-{comp}-heldout", corpus, held, quant, ids, f"features {comp}", progress
         )
         held_agreement[comp] = agreement(head, embed, fq)
         plain_agreement[comp] = agreement(head, embed, fq, copy=False)
