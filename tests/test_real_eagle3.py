@@ -85,14 +85,17 @@ def test_head_exports_say_they_were_trained_on_the_head(name):
         assert rt.metadata["speckv.training_fingerprint"] == data_fingerprint(X, y[:, 0], y[:, 1])
 
 
-def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path):
+def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path, monkeypatch):
     """``build_eagle3`` end to end on a few real answers (seconds of training): the head folder it writes loads with
     its fitted gate, and a resumed build with the same work folder writes the same weights and records the first
-    run's extraction time."""
+    run's extraction time (none where it extracted a lost shard again)."""
     from speckv_policy.hf import load_eagle3
     from speckv_policy.prompts import Prompt
+    from speckv_policy.smollm2 import eagle3 as build
     from speckv_policy.smollm2.distill import generate_corpus
     from speckv_policy.smollm2.eagle3 import build_eagle3
+
+    monkeypatch.setattr(build, "SHARD_TEXTS", 2)
 
     prompts = [
         Prompt("gen-a", "code", "train", text="Write a Python function that adds two numbers."),
@@ -111,6 +114,11 @@ def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path)
     assert (tmp_path / "head" / "model.safetensors").read_bytes() == weights
     assert again["feature_minutes"] == meta["feature_minutes"] and again["history"] == meta["history"]
     assert again["copy"] == meta["copy"] and again["heldout_agreement"] == meta["heldout_agreement"]
+    shards = tmp_path / "work" / "features-fp32"
+    assert sorted(p.name for p in shards.iterdir()) == ["part-00000.pt", "part-00001.pt"]  # 4 texts, 2 a shard
+    (shards / "part-00001.pt").unlink()
+    part = build_eagle3(corpus, tmp_path / "head", tmp_path / "work", **kw)
+    assert part["feature_minutes"] is None and part["heldout_agreement"] == meta["heldout_agreement"]
     none = build_eagle3(corpus, tmp_path / "plain", tmp_path / "work", **kw, copy_max_match=0)
     assert "copy" not in none and load_eagle3(tmp_path / "plain").copy_gate() is None
     assert none["heldout_agreement"] == none["heldout_agreement_without_copy"]

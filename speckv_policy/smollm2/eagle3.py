@@ -171,11 +171,11 @@ def build_eagle3(
     )
     f_fit, f_val, f_held = feats[: len(fit)], feats[len(fit) : len(fit) + len(val)], feats[len(fit) + len(val) :]
     feature_minutes: float | None = round((time.time() - t0) / 60, 1)
-    if (
-        extracted == 0
-    ):  # a resumed build: the extraction time is that of the run that extracted them, if it recorded one
+    # a resumed build: the extraction time is that of the run that extracted them, if it recorded one; resumed part
+    # way through the shards, no one run's time is the extraction's
+    if extracted == 0:
         feature_minutes = _previous_meta(Path(out)).get("feature_minutes")
-    elif extracted < len(feats):  # resumed part way through: no one run's time is the extraction's
+    elif extracted < len(feats):
         feature_minutes = None
     vocab, coverage = choose_vocabulary(f_fit, draft_vocab_size)
     head = init_head(target, cfg, vocab).to(device)
