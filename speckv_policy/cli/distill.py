@@ -126,6 +126,37 @@ def _main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", required=True, help="JSON-lines prompt file to write")
     g.add_argument("--per-task", type=int_at_least(1), default=220, help="prompts per task type (default 220)")
     g.add_argument("--seed", type=int, default=0, help="seed of the templates' fillers (default 0)")
+    sp = sub.add_parser(
+        "self-prompts",
+        help="training prompts the target writes itself (sampled user turns: more varied than the templates)",
+    )
+    sp.add_argument("--out", required=True, help="JSON-lines prompt file to write")
+    sp.add_argument("--count", type=int_at_least(1), default=2000, help="requests to write (default 2000)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    sp.add_argument(
+        "--temperature",
+        type=float_in(0.0, 100.0, low_open=True),
+        default=1.0,
+        help="sampling temperature of the requests (default 1.0)",
+    )
+    sp.add_argument("--batch-size", type=int_at_least(1), default=64, help="requests sampled at once (default 64)")
+    sp.add_argument(
+        "--max-new-tokens",
+        type=int_at_least(1),
+        default=80,
+        help="a request still open after this many tokens is dropped (default 80)",
+    )
+    sp.add_argument(
+        "--heldout",
+        default="datasets/prompts/prompts.jsonl",
+        help="prompt file whose held-out prompts must not be written",
+    )
+    sp.add_argument(
+        "--device",
+        type=torch_device,
+        default="cpu",
+        help="torch device the target writes on: cpu (default) or cuda[:N]",
+    )
     c = sub.add_parser("corpus", help="let the target answer the prompts; record its top-k distributions")
     c.add_argument("--prompts", required=True, help="JSON-lines prompt file to answer")
     c.add_argument("--out", required=True, help="corpus file to write (once, at the end)")
@@ -243,6 +274,25 @@ def _main(argv: list[str] | None = None) -> int:
         records = build_distill_prompts(args.per_task, seed=args.seed, heldout_texts=held)
         write_prompt_file(records, args.out)
         print(f"prompts: {len(records)} training prompts -> {args.out}")
+    elif args.cmd == "self-prompts":
+        from ..smollm2.self_prompts import self_prompts
+
+        t0 = time.time()
+        try:  # a bad held-out file, or too few finished requests: one line, exit 2
+            held = {p.text for p in read_prompts(args.heldout) if p.split == "heldout"}
+            records = self_prompts(
+                args.count,
+                seed=args.seed,
+                temperature=args.temperature,
+                batch_size=args.batch_size,
+                max_new_tokens=args.max_new_tokens,
+                exclude=held,
+                device=args.device,
+            )
+        except ValueError as exc:
+            raise DistillError(str(exc)) from None
+        write_prompt_file(records, args.out)
+        print(f"self-prompts: {len(records)} training prompts, {(time.time() - t0) / 60:.1f} min -> {args.out}")
     elif args.cmd == "corpus":
         t0 = time.time()
         corpus = generate_corpus(
