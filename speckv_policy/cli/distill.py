@@ -1,4 +1,6 @@
-"""``speckv-distill``: build the distilled SmolLM2 draft (prompts, corpus, train, copy gate, cost, eval).
+"""``speckv-distill``: build the distilled SmolLM2 draft and the EAGLE-3 head.
+
+Steps: prompts, self-prompts, corpus, train, copy gate, cost, eagle3, eval.
 
 See ``docs/reference/draft.md`` and ``datasets/smollm2/build.sh`` for the commands in order.
 """
