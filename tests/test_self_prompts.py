@@ -69,3 +69,15 @@ def test_too_few_finished_requests_is_a_clear_error_and_writes_nothing(tmp_path,
     err = capsys.readouterr().err
     assert "wrote 0 distinct finished requests" in err and "--max-new-tokens" in err
     assert not out.exists()
+
+
+def test_a_bad_heldout_file_is_named_before_the_target_loads_and_writes_nothing(tmp_path, capsys):
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"id": "h-0", "task_type": "chat", "split": "heldout"}) + "\n")  # no prompt text
+    out = tmp_path / "self.jsonl"
+    assert distill_main(["self-prompts", "--out", str(out), "--count", "2", "--heldout", str(held)]) == 2
+    err = capsys.readouterr().err
+    assert f"{held}, line 1" in err and "'prompt'" in err
+    assert distill_main(["self-prompts", "--out", str(out), "--heldout", str(tmp_path / "none.jsonl")]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+    assert not out.exists()
