@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Rebuild everything shipped for the real pair, in order (2 CPU cores: ~1.5 hours in all).
+# Rebuild everything shipped for the real pair, in order (2 CPU cores with AMX or AVX-512 BF16: ~6 hours in all,
+#   4 of them the EAGLE-3 head of step 2b).
 # Run from the repository root after `bash .ci/setup`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,19 +31,31 @@ $PY -m speckv_policy.cli.distill copy --corpus "$B/corpus.pt" --draft datasets/s
 
 # 2b. The EAGLE-3 head (datasets/smollm2/eagle3, the speculators eagle3 format; docs/reference/draft.md): the target
 #     answers the template prompts once more, greedily in fp32 (batches of similar length, ~30 min), and twice
-#     sampled at T = 0.8 in bf16 (~27 min); then `speckv-distill eagle3` reads every answer once teacher-forced in
-#     fp32 (the states entering target layers 2, 15, 27 and the top-16 next-token log-probabilities, ~20 min),
-#     picks the 8,192-token vocabulary, trains with training-time test (2 steps) within the wall-clock budget and
-#     measures held-out agreement at fp32 / INT8 / NF4 (~2 GB of memory besides the features' file pages). Features
-#     (shards of 512 texts, read memory-mapped) and checkpoints live in $B/eagle3, so an interrupted build resumes.
+#     sampled at T = 0.8 in bf16 (~27 min); a second draw of the templates three times (1 greedy, 2 sampled; ~23 min);
+#     and 3,000 requests it writes itself (Magpie-style, none of the task held-out prompts; ~18 min), once sampled
+#     (~29 min). The shipped head's build also kept the design note's 256 varied evaluation requests out of the 3,000.
+#     Then `speckv-distill eagle3` reads every answer once teacher-forced in fp32 (the states entering target layers 2,
+#     15, 27 and the top-16 next-token log-probabilities, ~34 min), picks the 8,192-token vocabulary, trains with
+#     training-time test (2 steps) under bf16 autocast for 75 minutes and measures held-out agreement at fp32 / INT8 /
+#     NF4 (~10 GB peak resident; 5.4 GB of features on disk). Features (shards of 512 texts, read memory-mapped) and
+#     checkpoints live in $B/eagle3, so an interrupted build resumes. --train-precision bf16 wants a CPU that multiplies
+#     bf16 natively (AMX or AVX-512 BF16; elsewhere leave it out and expect fewer steps in the budget).
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-fp32.pt" \
     --samples 1 --max-new-tokens 128 --batch-size 64 --dtype fp32
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/distill.jsonl --out "$B/corpus-sampled.pt" \
     --samples 2 --sampled-only --max-new-tokens 160 --batch-size 16 --seed 3
+$PY -m speckv_policy.cli.distill prompts --per-task 260 --seed 1 --out "$B/distill-2.jsonl"
+$PY -m speckv_policy.cli.distill corpus --prompts "$B/distill-2.jsonl" --out "$B/corpus-s1.pt" \
+    --samples 3 --batch-size 64 --dtype bf16
+$PY -m speckv_policy.cli.distill self-prompts --count 3000 --seed 1 --heldout datasets/prompts/prompts.jsonl \
+    --out "$B/self-prompts.jsonl"
+$PY -m speckv_policy.cli.distill corpus --prompts "$B/self-prompts.jsonl" --out "$B/corpus-self.pt" \
+    --samples 1 --sampled-only --batch-size 64 --dtype bf16
 $PY -m speckv_policy.cli.distill corpus --prompts datasets/prompts/prompts.jsonl --out "$B/corpus-task-fp32.pt" \
     --samples 1 --max-new-tokens 160 --batch-size 64 --dtype fp32
-$PY -m speckv_policy.cli.distill eagle3 --corpus "$B/corpus-task-fp32.pt,$B/corpus-fp32.pt,$B/corpus-sampled.pt" \
-    --out datasets/smollm2/eagle3 --work "$B/eagle3" --minutes 33 --lr 2e-3 --ttt-steps 2
+$PY -m speckv_policy.cli.distill eagle3 \
+    --corpus "$B/corpus-task-fp32.pt,$B/corpus-fp32.pt,$B/corpus-sampled.pt,$B/corpus-s1.pt,$B/corpus-self.pt" \
+    --out datasets/smollm2/eagle3 --work "$B/eagle3" --minutes 75 --lr 2e-3 --ttt-steps 2 --train-precision bf16
 
 # 3. Profile the pair: greedy on every prompt, sampling (T = 0.7) on every third, at fp32 / INT8 / NF4, 48 new
 #    tokens each (the race's length: a shorter profile only knows the answers' first, easier positions) (~33 min).
