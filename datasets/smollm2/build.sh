@@ -84,7 +84,7 @@ done
 #    ... and the cost-aware stop rule (per-token acceptance curves, JSON; attach(..., mode="stop")) -> exported/smollm2-stop.json
 .venv/bin/speckv-export --stop-rule exported/smollm2-stop.json --train datasets/smollm2/steps.parquet
 
-# 4b. The same with the EAGLE-3 head: its own profile (greedy on every third prompt, sampling on every 24th; ~15 min)
+# 4b. The same with the EAGLE-3 head: its own profile (greedy on every third prompt, sampling on every 24th; ~9 min)
 #     and the policies trained on it -> exported/smollm2-eagle3-* (their exports record speckv.draft_kind = eagle3;
 #     the hook warns if one runs with a draft model). The head drafts in bf16, pinned like the draft's in step 3
 #     (1.8 vs 3.8 ms per draft token in fp32 on the AVX-512 BF16 EPYC it was profiled on, same acceptance).
