@@ -43,13 +43,13 @@ def test_user_turn_prefix_is_the_template_up_to_the_message():
         user_turn_prefix(Plain())
 
 
-def test_the_target_writes_seeded_distinct_requests_and_the_cli_skips_heldout_ones(tmp_path):
+def test_the_target_writes_seeded_distinct_requests_and_the_cli_skips_heldout_and_excluded_ones(tmp_path):
     kw = {"seed": 1, "batch_size": 8, "max_new_tokens": 48, "progress": False}
-    first = self_prompts(5, **kw)
-    assert first == self_prompts(5, **kw)  # seeded
+    first = self_prompts(6, **kw)
+    assert first == self_prompts(6, **kw)  # seeded
     texts = [r["prompt"] for r in first]
-    assert len(set(texts)) == 5 and all(len(t) >= 12 and "<|im" not in t for t in texts)
-    assert [r["id"] for r in first] == [f"gen-self-{k:05d}" for k in range(5)]
+    assert len(set(texts)) == 6 and all(len(t) >= 12 and "<|im" not in t for t in texts)
+    assert [r["id"] for r in first] == [f"gen-self-{k:05d}" for k in range(6)]
     assert {(r["task_type"], r["split"]) for r in first} == {("other", "train")}
     # through the CLI with the first request held out: the same draw, minus that request
     held = tmp_path / "held.jsonl"
@@ -60,6 +60,11 @@ def test_the_target_writes_seeded_distinct_requests_and_the_cli_skips_heldout_on
     again = read_prompts(out)
     assert [p.text for p in again] == texts[1:5]
     assert all(p.split == "train" and p.id.startswith("gen-") for p in again)
+    # an earlier draw's file excludes its prompts whatever their split: the same draw minus the first two
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text(json.dumps({"id": "gen-self-00000", "task_type": "other", "split": "train", "prompt": texts[1]}))
+    assert distill_main([*args, "--max-new-tokens", "48", "--heldout", str(held), "--exclude", str(earlier)]) == 0
+    assert [p.text for p in read_prompts(out)] == texts[2:6]
 
 
 def test_too_few_finished_requests_is_a_clear_error_and_writes_nothing(tmp_path, capsys):
@@ -80,4 +85,9 @@ def test_a_bad_heldout_file_is_named_before_the_target_loads_and_writes_nothing(
     assert f"{held}, line 1" in err and "'prompt'" in err
     assert distill_main(["self-prompts", "--out", str(out), "--heldout", str(tmp_path / "none.jsonl")]) == 2
     assert "prompt file not found" in capsys.readouterr().err
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"id": "h-0", "task_type": "chat", "split": "heldout", "prompt": "Hi there, you."}))
+    args = ["self-prompts", "--out", str(out), "--count", "2", "--batch-size", "2", "--max-new-tokens", "1"]
+    assert distill_main([*args, "--heldout", str(good), "--exclude", f"{good},{tmp_path / 'gone.jsonl'}"]) == 2
+    assert f"prompt file not found: {tmp_path / 'gone.jsonl'}" in capsys.readouterr().err
     assert not out.exists()

@@ -154,6 +154,12 @@ def _main(argv: list[str] | None = None) -> int:
         help="prompt file whose held-out prompts must not be written",
     )
     sp.add_argument(
+        "--exclude",
+        default="",
+        help="prompt files (comma-separated) none of whose prompts, of any split, may be written: earlier draws, so "
+        "that a second draw with another --seed repeats no request of the first",
+    )
+    sp.add_argument(
         "--device",
         type=torch_device,
         default="cpu",
@@ -282,6 +288,8 @@ def _main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         try:  # a bad held-out file, or too few finished requests: one line, exit 2
             held = {p.text for p in read_prompts(args.heldout) if p.split == "heldout"}
+            for path in filter(None, args.exclude.split(",")):
+                held |= {p.text for p in read_prompts(path)}
             records = self_prompts(
                 args.count,
                 seed=args.seed,
