@@ -367,6 +367,61 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     assert [h[0] for h in info["history"]] == [5, 8]
 
 
+def test_feature_noise_is_relative_to_each_state_and_leaves_padding_alone():
+    """``perturb_features``: each of the three states gets noise of ``scale`` times its own RMS, whatever its size."""
+    from speckv_policy.hf.eagle3_train import perturb_features
+
+    h = 256
+    scales = torch.tensor([0.01, 1.0, 100.0])  # the states a head reads differ in size by orders of magnitude
+    aux = (torch.randn(2, 40, 3, h) * scales[:, None]).view(2, 40, 3 * h)
+    aux[1, 30:] = 0  # padding
+    out = perturb_features(aux, 3, 0.1, torch.Generator().manual_seed(0))
+    assert out.shape == aux.shape and out.dtype == aux.dtype
+    assert torch.equal(out[1, 30:], aux[1, 30:])
+    diff = (out - aux)[0].view(40, 3, h)
+    rms = aux[0].view(40, 3, h).pow(2).mean(-1).sqrt()
+    ratio = diff.pow(2).mean(-1).sqrt() / rms  # per position and state: the noise's RMS over the state's
+    assert torch.allclose(ratio, torch.full_like(ratio, 0.1), rtol=0.15), ratio
+    again = perturb_features(aux, 3, 0.1, torch.Generator().manual_seed(0))
+    assert torch.equal(again, out)  # seeded
+
+
+def test_weight_decay_and_feature_noise_change_training_and_resume(tmp_path):
+    """``speckv-distill eagle3 --weight-decay/--feature-noise``: decay shrinks the matrices (not the norms' gains)
+    against the same steps without it, noise changes what is fitted, both resume; negative values are refused."""
+    target, cfg, feats = _random_texts(8, 16, 3)
+    emb = target.get_input_embeddings().weight.detach()
+    kw = dict(minutes=60.0, progress=False, tokens_per_batch=64, eval_minutes=60.0, max_steps=6, lr=1e-2)
+
+    def trained(name, **extra):
+        torch.manual_seed(0)
+        head = init_head(target, cfg, torch.arange(64))
+        train_head(head, emb, feats[2:], feats[:2], checkpoint=tmp_path / f"{name}.pt", **kw, **extra)
+        return head
+
+    plain, again = trained("plain"), trained("again")
+    decayed, noisy = trained("decayed", weight_decay=40.0), trained("noisy", feature_noise=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), again.state_dict().values()))
+    w = {n: h.layers[0].mlp.up_proj.weight.norm().item() for n, h in (("plain", plain), ("decayed", decayed))}
+    assert w["decayed"] < 0.97 * w["plain"], w  # 0.95: six warm-up steps of lr x decay 0.4
+    gain = (plain.layers[0].post_attention_layernorm.weight, decayed.layers[0].post_attention_layernorm.weight)
+    assert (gain[1].norm() / gain[0].norm()).item() > 0.97  # the gains move as the gradients take them, no decay
+    assert not torch.allclose(noisy.layers[0].mlp.up_proj.weight, plain.layers[0].mlp.up_proj.weight)
+    resumed = init_head(target, cfg, torch.arange(64))
+    info = train_head(
+        resumed,
+        emb,
+        feats[2:],
+        feats[:2],
+        checkpoint=tmp_path / "decayed.pt",
+        weight_decay=40.0,
+        **{**kw, "max_steps": 8},
+    )
+    assert info["steps"] == 8
+    with pytest.raises(ValueError, match="weight_decay and feature_noise must be >= 0"):
+        train_head(resumed, emb, feats[2:], feats[:2], checkpoint=tmp_path / "x.pt", feature_noise=-0.1, **kw)
+
+
 # ----------------------------------------------------------------------------- drafting
 def test_drafter_reads_the_same_features_as_training():
     """Catch-up after each verification reproduces the teacher-forced rows exactly (cache kept in step)."""

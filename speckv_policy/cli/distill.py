@@ -239,6 +239,15 @@ def _main(argv: list[str] | None = None) -> int:
     )
     h.add_argument("--ttt-steps", type=int_at_least(1), default=2, help="training-time-test depth (default 2)")
     h.add_argument("--lr", type=float_in(0.0, 10.0, low_open=True), default=2e-3, help="learning rate (default 2e-3)")
+    h.add_argument(
+        "--weight-decay", type=float_in(0.0, 10.0), default=0.0, help="AdamW's decoupled weight decay (default 0)"
+    )
+    h.add_argument(
+        "--feature-noise",
+        type=float_in(0.0, 10.0),
+        default=0.0,
+        help="Gaussian noise added to the fitted target states, times each state's RMS (default 0)",
+    )
     h.add_argument("--fit-prefix", default="gen-", help="fit training prompts whose id starts with this (default gen-)")
     h.add_argument(
         "--compressions", default="fp32,int8,nf4", help="targets to measure held-out agreement on (default all three)"
@@ -389,6 +398,8 @@ def _main(argv: list[str] | None = None) -> int:
                 copy_max_match=args.copy_max_match,
                 device=args.device,
                 train_precision=args.train_precision,
+                weight_decay=args.weight_decay,
+                feature_noise=args.feature_noise,
             )
         except ValueError as exc:
             raise DistillError(str(exc)) from None

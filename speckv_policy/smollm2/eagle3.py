@@ -131,6 +131,8 @@ def build_eagle3(
     copy_max_match: int = 8,
     device: str = "cpu",
     train_precision: str = "fp32",
+    weight_decay: float = 0.0,
+    feature_noise: float = 0.0,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the EAGLE-3 head for SmolLM2 and write its speculators folder to ``out``.
@@ -143,8 +145,8 @@ def build_eagle3(
     checkpoint-selection answers, and held-out agreement is measured with it and without. ``work`` keeps the
     features (in shards, read memory-mapped: see :func:`_cached_features`) and the training checkpoint, so an
     interrupted build resumes. ``device`` runs the target and the training there (``"cuda"`` on a GPU); the
-    features stay in ``work`` either way. ``train_precision``:
-    :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision``.
+    features stay in ``work`` either way. ``train_precision``, ``weight_decay`` and ``feature_noise``:
+    :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision``, ``weight_decay`` and ``feature_noise``.
     """
     from .models import load_model
 
@@ -193,6 +195,8 @@ def build_eagle3(
         tokens_per_batch=tokens_per_batch,
         progress=progress,
         precision=train_precision,
+        weight_decay=weight_decay,
+        feature_noise=feature_noise,
     )
     copy_gate = fit_head_copy_gate(head, embed, f_val, copy_max_match) if copy_max_match > 0 else None
     held_agreement: dict[str, dict[str, float]] = {"fp32": agreement(head, embed, f_held)}
@@ -217,6 +221,8 @@ def build_eagle3(
         "ttt_steps": steps,
         "train_precision": train_precision,
         "lr": lr,
+        "weight_decay": weight_decay,
+        "feature_noise": feature_noise,
         "tokens_per_batch": tokens_per_batch,
         "fit_prefix": fit_prefix,
         "texts": {"fit": len(fit), "validation": len(val), "heldout": len(held)},
