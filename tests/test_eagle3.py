@@ -387,7 +387,8 @@ def test_feature_noise_is_relative_to_each_state_and_leaves_padding_alone():
 
 
 def test_weight_decay_and_feature_noise_change_training_and_resume(tmp_path):
-    """``speckv-distill eagle3 --weight-decay/--feature-noise``: decay shrinks the matrices (not the norms' gains)
+    """``speckv-distill eagle3 --weight-decay/--feature-noise/--freeze-lm-head``: a frozen lm_head stays the
+    target's rows while the rest trains; decay shrinks the matrices (not the norms' gains)
     against the same steps without it, noise changes what is fitted, both resume; negative values are refused."""
     target, cfg, feats = _random_texts(8, 16, 3)
     emb = target.get_input_embeddings().weight.detach()
@@ -400,6 +401,11 @@ def test_weight_decay_and_feature_noise_change_training_and_resume(tmp_path):
         return head
 
     plain, again = trained("plain"), trained("again")
+    frozen = trained("frozen", train_lm_head=False)
+    start = init_head(target, cfg, torch.arange(64)).lm_head.weight
+    assert torch.equal(frozen.lm_head.weight, start) and not torch.equal(plain.lm_head.weight, start)
+    assert frozen.lm_head.weight.requires_grad  # the head is left trainable as it came
+    assert not torch.equal(frozen.layers[0].mlp.up_proj.weight, plain.layers[0].mlp.up_proj.weight)
     decayed, noisy = trained("decayed", weight_decay=40.0), trained("noisy", feature_noise=0.5)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), again.state_dict().values()))
     w = {n: h.layers[0].mlp.up_proj.weight.norm().item() for n, h in (("plain", plain), ("decayed", decayed))}

@@ -248,6 +248,11 @@ def _main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="Gaussian noise added to the fitted target states, times each state's RMS (default 0)",
     )
+    h.add_argument(
+        "--freeze-lm-head",
+        action="store_true",
+        help="keep the head's output rows the target's own (default: train them)",
+    )
     h.add_argument("--fit-prefix", default="gen-", help="fit training prompts whose id starts with this (default gen-)")
     h.add_argument(
         "--compressions", default="fp32,int8,nf4", help="targets to measure held-out agreement on (default all three)"
@@ -400,6 +405,7 @@ def _main(argv: list[str] | None = None) -> int:
                 train_precision=args.train_precision,
                 weight_decay=args.weight_decay,
                 feature_noise=args.feature_noise,
+                train_lm_head=not args.freeze_lm_head,
             )
         except ValueError as exc:
             raise DistillError(str(exc)) from None

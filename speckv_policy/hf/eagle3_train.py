@@ -451,6 +451,7 @@ def train_head(
     precision: str = "fp32",
     weight_decay: float = 0.0,
     feature_noise: float = 0.0,
+    train_lm_head: bool = True,
 ) -> dict[str, Any]:
     """Train ``head`` in place for ``minutes`` of wall clock (resuming ``checkpoint`` if it exists).
 
@@ -460,7 +461,9 @@ def train_head(
     steps, but many times slower where the CPU has no bf16 arithmetic (AVX2 only). ``weight_decay`` is AdamW's
     (decoupled; the norms' gains are not decayed); ``feature_noise`` adds Gaussian noise of that many times each
     target state's RMS to the fitted features (:func:`perturb_features`; the first TTT step's input only, as later
-    steps read the head's own output; validation reads them clean).
+    steps read the head's own output; validation reads them clean). ``train_lm_head=False`` keeps ``lm_head`` as it
+    is (:func:`init_head`: the target's own output rows), so the layer must learn to write in the target's output
+    space.
 
     Returns what happened (steps, minutes, validation agreement history) and leaves the best checkpoint's
     weights in ``head``.
@@ -475,6 +478,7 @@ def train_head(
         raise ValueError(f"weight_decay and feature_noise must be >= 0, got {weight_decay} and {feature_noise}")
     checkpoint = Path(checkpoint)
     slots = _slots(head)
+    head.lm_head.weight.requires_grad_(train_lm_head)
     trained = [p for p in head.parameters() if p.requires_grad]
     groups: list[dict[str, Any]] = [{"params": trained, "weight_decay": 0.0}]  # one group: resumes older checkpoints
     if weight_decay > 0:  # the norms' gains are not decayed
@@ -555,6 +559,7 @@ def train_head(
         evaluate()
     bar.close()
     head.load_state_dict(best_sd)
+    head.lm_head.weight.requires_grad_(True)
     return {
         "steps": state["step"],
         "train_minutes": round(state["seconds"] / 60, 1),

@@ -133,6 +133,7 @@ def build_eagle3(
     train_precision: str = "fp32",
     weight_decay: float = 0.0,
     feature_noise: float = 0.0,
+    train_lm_head: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the EAGLE-3 head for SmolLM2 and write its speculators folder to ``out``.
@@ -145,8 +146,8 @@ def build_eagle3(
     checkpoint-selection answers, and held-out agreement is measured with it and without. ``work`` keeps the
     features (in shards, read memory-mapped: see :func:`_cached_features`) and the training checkpoint, so an
     interrupted build resumes. ``device`` runs the target and the training there (``"cuda"`` on a GPU); the
-    features stay in ``work`` either way. ``train_precision``, ``weight_decay`` and ``feature_noise``:
-    :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision``, ``weight_decay`` and ``feature_noise``.
+    features stay in ``work`` either way. ``train_precision``, ``weight_decay``, ``feature_noise`` and
+    ``train_lm_head``: :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision`` and the rest.
     """
     from .models import load_model
 
@@ -197,6 +198,7 @@ def build_eagle3(
         precision=train_precision,
         weight_decay=weight_decay,
         feature_noise=feature_noise,
+        train_lm_head=train_lm_head,
     )
     copy_gate = fit_head_copy_gate(head, embed, f_val, copy_max_match) if copy_max_match > 0 else None
     held_agreement: dict[str, dict[str, float]] = {"fp32": agreement(head, embed, f_held)}
@@ -223,6 +225,7 @@ def build_eagle3(
         "lr": lr,
         "weight_decay": weight_decay,
         "feature_noise": feature_noise,
+        "train_lm_head": train_lm_head,
         "tokens_per_batch": tokens_per_batch,
         "fit_prefix": fit_prefix,
         "texts": {"fit": len(fit), "validation": len(val), "heldout": len(held)},
