@@ -424,6 +424,9 @@ def test_weight_decay_and_feature_noise_change_training_and_resume(tmp_path):
         **{**kw, "max_steps": 8},
     )
     assert info["steps"] == 8
+    for other in ({}, {"train_lm_head": False}):  # a checkpoint started with decay, resumed otherwise: named
+        with pytest.raises(ValueError, match=r"decayed\.pt: was trained with other optimizer settings"):
+            train_head(resumed, emb, feats[2:], feats[:2], checkpoint=tmp_path / "decayed.pt", **other, **kw)
     with pytest.raises(ValueError, match="weight_decay and feature_noise must be >= 0"):
         train_head(resumed, emb, feats[2:], feats[:2], checkpoint=tmp_path / "x.pt", feature_noise=-0.1, **kw)
 

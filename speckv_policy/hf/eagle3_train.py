@@ -494,7 +494,14 @@ def train_head(
         ck = torch.load(checkpoint, weights_only=True, map_location=head.device)
         head.load_state_dict(ck["head"])
         best_sd = ck["best_head"]
-        opt.load_state_dict(ck["opt"])
+        try:
+            opt.load_state_dict(ck["opt"])
+        except ValueError as exc:  # other parameter groups: the decay or the frozen output rows differ
+            head.lm_head.weight.requires_grad_(True)
+            raise ValueError(
+                f"{checkpoint}: was trained with other optimizer settings (weight decay on or off, lm_head frozen or "
+                f"not: {exc}); resume with the settings it was started with, or use another work folder"
+            ) from None
         state = ck["state"]
     rng = np.random.default_rng(seed + int(state["epoch"]))
     budget = minutes * 60.0
