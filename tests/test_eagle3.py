@@ -85,6 +85,16 @@ def test_config_round_trip_and_speculators_fields():
     # speculators' default layers for a 30-layer target: [2, 15, 27]
     target.config.num_hidden_layers = 30
     assert Eagle3Config.for_target(target.config, 32).aux_layer_ids == (2, 15, 27)
+    assert Eagle3Config.for_target(target.config, 32, [2, 15, 29]).aux_layer_ids == (2, 15, 29)  # chosen layers
+
+
+@pytest.mark.parametrize("layers", [(), (2, 2, 5), (15, 2, 27), (2, 15, 30), (-1, 2, 3)])
+def test_layers_the_target_cannot_give_in_order_are_refused(layers):
+    """vLLM concatenates the states in layer order and captures those entering layers 0..L-1: nothing else."""
+    target, _ = tiny_llama_pair(layers=3)
+    target.config.num_hidden_layers = 30
+    with pytest.raises(ValueError, match=r"increasing layer indices in 0\.\.29 of the target's 30 layers"):
+        Eagle3Config.for_target(target.config, 32, layers)
 
 
 @pytest.mark.parametrize(
@@ -96,6 +106,7 @@ def test_config_round_trip_and_speculators_fields():
         (lambda r: r["transformer_layer_config"].update(layer_types=["sliding_attention"]), "sliding-window"),
         (lambda r: r["transformer_layer_config"].update(num_hidden_layers=2), "num_hidden_layers must be 1"),
         (lambda r: r.update(eagle_aux_hidden_state_layer_ids=[-1]), "non-negative integers"),
+        (lambda r: r.update(eagle_aux_hidden_state_layer_ids=[2, 1, 3]), r"must be increasing \(vLLM concatenates"),
         (lambda r: r.update(draft_vocab_size="32"), "'draft_vocab_size' must be"),
         (lambda r: r["transformer_layer_config"].pop("hidden_size"), "transformer_layer_config.hidden_size"),
         (lambda r: r.update(target_hidden_size=999), "target_hidden_size 999"),
@@ -429,6 +440,23 @@ def test_weight_decay_and_feature_noise_change_training_and_resume(tmp_path):
             train_head(resumed, emb, feats[2:], feats[:2], checkpoint=tmp_path / "decayed.pt", **other, **kw)
     with pytest.raises(ValueError, match="weight_decay and feature_noise must be >= 0"):
         train_head(resumed, emb, feats[2:], feats[:2], checkpoint=tmp_path / "x.pt", feature_noise=-0.1, **kw)
+
+
+def test_a_checkpoint_resumed_by_a_head_on_other_target_layers_is_refused(tmp_path):
+    target, cfg, feats = _random_texts(6, 16, 3)
+    emb = target.get_input_embeddings().weight.detach()
+    kw = dict(minutes=60.0, progress=False, tokens_per_batch=64, eval_minutes=60.0, max_steps=2)
+    train_head(init_head(target, cfg, torch.arange(64)), emb, feats[2:], feats[:2], checkpoint=tmp_path / "c.pt", **kw)
+    other = init_head(target, Eagle3Config.for_target(target.config, 64, (0, 2)), torch.arange(64))
+    with pytest.raises(
+        ValueError, match=re.escape("c.pt: was trained on target layers [0, 1, 2], this head reads [0, 2]")
+    ):
+        train_head(other, emb, feats[2:], feats[:2], checkpoint=tmp_path / "c.pt", **kw)
+    same = init_head(target, cfg, torch.arange(64))  # the layers it was started with: resumes
+    assert (
+        train_head(same, emb, feats[2:], feats[:2], checkpoint=tmp_path / "c.pt", **{**kw, "max_steps": 3})["steps"]
+        == 3
+    )
 
 
 # ----------------------------------------------------------------------------- drafting
@@ -822,6 +850,37 @@ def test_a_corrupt_features_cache_is_named(tmp_path):
     assert shard.read_bytes() == b"not a torch file"
 
 
+def test_a_features_cache_read_from_other_target_layers_is_refused(tmp_path):
+    """Each features folder records its layers before its first shard; folders of builds before the record were read
+    at speculators' default layers, so they serve that default only."""
+    from speckv_policy.smollm2.eagle3 import _cached_features  # noqa: PLC2701 - the build's cache reader
+
+    ids = [torch.tensor([1, 2, 3], dtype=torch.int32)]
+    folder = tmp_path / "features-fp32"
+    _cached_features(folder, {"ids": ids}, [], None, LAYERS, "x", False)  # nothing to extract: the record alone
+    assert json.loads((folder / "layers.json").read_text()) == {"aux_layer_ids": [0, 1, 2]}
+    with pytest.raises(ValueError, match=re.escape("read from target layers [0, 1, 2], the head asks for [0, 2]")):
+        _cached_features(folder, {"ids": ids}, [], None, (0, 2), "x", False)
+    assert json.loads((folder / "layers.json").read_text()) == {"aux_layer_ids": [0, 1, 2]}  # left as it was
+    old = tmp_path / "features-old"  # a folder of a build before the record
+    old.mkdir()
+    torch.save([{"ids": ids[0].long()}], old / "part-00000.pt")
+    with pytest.raises(ValueError, match=re.escape("read from target layers [2, 15, 27], the head asks for [0, 1, 2]")):
+        _cached_features(old, {"ids": ids}, [0], None, LAYERS, "x", False, (2, 15, 27))
+    assert not (old / "layers.json").exists()
+    feats, extracted = _cached_features(old, {"ids": ids}, [0], None, (2, 15, 27), "x", False, (2, 15, 27))
+    assert len(feats) == 1 and extracted == 0
+    assert json.loads((old / "layers.json").read_text()) == {"aux_layer_ids": [2, 15, 27]}
+    legacy = tmp_path / "features-single.pt"  # the single file of builds before shards: the default only, no folder
+    torch.save([{"ids": ids[0].long()}], legacy)
+    with pytest.raises(ValueError, match="features-single: its features were read from target layers"):
+        _cached_features(tmp_path / "features-single", {"ids": ids}, [0], None, LAYERS, "x", False, (2, 15, 27))
+    assert not (tmp_path / "features-single").exists()
+    (folder / "layers.json").write_text("[0, 1, 2]")
+    with pytest.raises(ValueError, match="layers.json: not a layer record of this build"):
+        _cached_features(folder, {"ids": ids}, [], None, LAYERS, "x", False)
+
+
 def test_a_features_cache_of_another_corpus_is_refused(tmp_path, monkeypatch):
     from speckv_policy.smollm2 import eagle3 as build
     from speckv_policy.smollm2.eagle3 import _cached_features  # noqa: PLC2701 - the build's cache reader
@@ -870,7 +929,7 @@ def test_features_are_extracted_in_shards_read_back_mapped_and_resumed(tmp_path,
     direct = extract_features(corpus, idx, target, LAYERS, progress=False)
     folder = tmp_path / "features-fp32"
     feats, extracted = _cached_features(folder, corpus, idx, target, LAYERS, "x", False)
-    assert extracted == 5 and sorted(p.name for p in folder.iterdir()) == [f"part-0000{k}.pt" for k in range(3)]
+    assert extracted == 5 and sorted(p.name for p in folder.glob("part-*")) == [f"part-0000{k}.pt" for k in range(3)]
     for f, d in zip(feats, direct):
         assert torch.equal(f["ids"], d["ids"]) and torch.equal(f["aux"], d["aux"])
         assert torch.equal(f["top_ids"], d["top_ids"]) and f["prompt_id"] == d["prompt_id"]
@@ -897,7 +956,7 @@ def test_features_are_extracted_in_shards_read_back_mapped_and_resumed(tmp_path,
     with pytest.raises(RuntimeError, match="interrupted"):
         _cached_features(folder, corpus, idx, target, LAYERS, "x", False)
     # an interrupted extraction leaves only the complete shards, and no temporary file
-    assert sorted(p.name for p in folder.iterdir()) == ["part-00000.pt", "part-00001.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["layers.json", "part-00000.pt", "part-00001.pt"]
 
 
 def test_feature_extraction_finds_glibc_malloc_trim_where_it_runs_on_glibc():

@@ -250,6 +250,10 @@ def test_a_part_that_is_a_fifo_is_refused(units, tmp_path):
         ),
         (["speckv_policy.cli.distill", "cost", "--draft", "d", "--tokens", "0"], "--tokens: must be >= 1"),
         (
+            ["speckv_policy.cli.distill", "eagle3", "--corpus", "c", "--out", "o", "--work", "w", "--layers", "2,x"],
+            "--layers: in '2,x'",
+        ),
+        (
             ["speckv_policy.cli.distill", "corpus", "--prompts", "p", "--out", "o", "--temperature", "nan"],
             "--temperature: must be in (0.0, 100.0]",
         ),

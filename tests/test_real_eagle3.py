@@ -115,10 +115,16 @@ def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path,
     assert again["feature_minutes"] == meta["feature_minutes"] and again["history"] == meta["history"]
     assert again["copy"] == meta["copy"] and again["heldout_agreement"] == meta["heldout_agreement"]
     shards = tmp_path / "work" / "features-fp32"
-    assert sorted(p.name for p in shards.iterdir()) == ["part-00000.pt", "part-00001.pt"]  # 4 texts, 2 a shard
+    assert sorted(p.name for p in shards.glob("part-*")) == ["part-00000.pt", "part-00001.pt"]  # 4 texts, 2 a shard
+    assert json.loads((shards / "layers.json").read_text()) == {"aux_layer_ids": [2, 15, 27]}  # speculators' default
     (shards / "part-00001.pt").unlink()
     part = build_eagle3(corpus, tmp_path / "head", tmp_path / "work", **kw)
     assert part["feature_minutes"] is None and part["heldout_agreement"] == meta["heldout_agreement"]
     none = build_eagle3(corpus, tmp_path / "plain", tmp_path / "work", **kw, copy_max_match=0)
     assert "copy" not in none and load_eagle3(tmp_path / "plain").copy_gate() is None
     assert none["heldout_agreement"] == none["heldout_agreement_without_copy"]
+    # other target layers (speckv-distill eagle3 --layers): not from this work folder's features, in one of its own
+    with pytest.raises(ValueError, match=r"read from target layers \[2, 15, 27\], the head asks for \[2, 15, 29\]"):
+        build_eagle3(corpus, tmp_path / "top", tmp_path / "work", **kw, layer_ids=(2, 15, 29))
+    top = build_eagle3(corpus, tmp_path / "top", tmp_path / "work-top", **kw, layer_ids=(2, 15, 29))
+    assert top["aux_layer_ids"] == [2, 15, 29] and load_eagle3(tmp_path / "top").eagle.aux_layer_ids == (2, 15, 29)

@@ -21,7 +21,7 @@ from ..atomic import atomic_write, atomic_write_text
 from ..prompts import read_prompts, write_prompt_file
 from ..smollm2.distill import agreement, fit_copy, generate_corpus, train_draft
 from ..smollm2.draft_model import DRAFT_META, head_slots, load_draft, save_draft
-from .common import exit_cleanly_on_sigterm, fail, float_in, int_at_least, torch_device
+from .common import comma_list, exit_cleanly_on_sigterm, fail, float_in, int_at_least, torch_device
 
 
 class DistillError(ValueError):
@@ -237,6 +237,13 @@ def _main(argv: list[str] | None = None) -> int:
     h.add_argument(
         "--vocab-size", type=int_at_least(2), default=8192, help="tokens of the head's vocabulary (default 8192)"
     )
+    h.add_argument(
+        "--layers",
+        type=comma_list(cast=int_at_least(0)),
+        default=None,
+        help="target layers whose entering states the head reads, comma-separated and increasing "
+        "(default: speculators' 2, L/2, L-3; 2,15,27 for SmolLM2)",
+    )
     h.add_argument("--ttt-steps", type=int_at_least(1), default=2, help="training-time-test depth (default 2)")
     h.add_argument("--lr", type=float_in(0.0, 10.0, low_open=True), default=2e-3, help="learning rate (default 2e-3)")
     h.add_argument(
@@ -397,6 +404,7 @@ def _main(argv: list[str] | None = None) -> int:
                 fit_prefix=args.fit_prefix,
                 minutes=args.minutes,
                 draft_vocab_size=args.vocab_size,
+                layer_ids=args.layers,
                 steps=args.ttt_steps,
                 lr=args.lr,
                 compressions=comps,

@@ -115,9 +115,20 @@ class Eagle3Config:
         cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None, verifier: str = ""
     ) -> Eagle3Config:
         """The head shape for a Llama- or Qwen3-style target config; layers default to speculators' ``[2, L // 2,
-        L - 3]``."""
+        L - 3]``.
+
+        Raises
+        ------
+        ValueError
+            If ``aux_layer_ids`` is empty, not increasing, or names a layer the target does not have.
+        """
         n = int(target_config.num_hidden_layers)
-        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3)
+        ids = tuple(int(i) for i in aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3)
+        if not ids or any(i < 0 or i >= n for i in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
+            raise ValueError(
+                f"aux_layer_ids must be increasing layer indices in 0..{n - 1} of the target's {n} layers (the states "
+                f"entering them, concatenated in layer order as vLLM does), got {list(ids)}"
+            )
         rope = dict(getattr(target_config, "rope_parameters", None) or {})
         theta = float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
         scaled = rope.get("rope_type", "default") != "default"
@@ -227,6 +238,11 @@ class Eagle3Config:
         ids = need(raw, "eagle_aux_hidden_state_layer_ids", list, "")
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise ValueError(f"{source}: 'eagle_aux_hidden_state_layer_ids' must be non-negative integers, got {ids!r}")
+        if any(a >= b for a, b in zip(ids, ids[1:])):
+            raise ValueError(
+                f"{source}: 'eagle_aux_hidden_state_layer_ids' must be increasing (vLLM concatenates the states in "
+                f"layer order), got {ids!r}"
+            )
         w = "transformer_layer_config."
         hidden = need(layer, "hidden_size", int, w)
         heads = need(layer, "num_attention_heads", int, w)

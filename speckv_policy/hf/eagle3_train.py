@@ -488,10 +488,19 @@ def train_head(
         ]
     opt = torch.optim.AdamW(groups, lr=lr)
     noise_rng = torch.Generator().manual_seed(seed)
+    layers = [int(i) for i in head.eagle.aux_layer_ids]
     state: dict[str, Any] = {"step": 0, "seconds": 0.0, "planned": 0, "best": -1.0, "history": [], "epoch": 0}
+    state["aux_layer_ids"] = layers
     best_sd = copy.deepcopy(head.state_dict())
     if checkpoint.exists():
         ck = torch.load(checkpoint, weights_only=True, map_location=head.device)
+        got = ck["state"].get("aux_layer_ids", layers)  # checkpoints before the record: the caller's features decide
+        if list(got) != layers:
+            head.lm_head.weight.requires_grad_(True)
+            raise ValueError(
+                f"{checkpoint}: was trained on target layers {list(got)}, this head reads {layers}; resume with the "
+                "layers it was started with, or use another work folder"
+            )
         head.load_state_dict(ck["head"])
         best_sd = ck["best_head"]
         try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, atomic_write_text
 from ..hf.eagle3 import Eagle3Config
 from ..hf.eagle3_train import (
     agreement,
@@ -27,6 +27,8 @@ from ..hf.eagle3_train import (
 
 # texts per features shard: one shard is in memory while it is extracted (~0.3 GB of SmolLM2 features)
 SHARD_TEXTS = 512
+# in each features folder: the target layers its shards were read from
+FEATURE_LAYERS = "layers.json"
 
 
 def _load_features(path: Path, corpus: dict, idx: list[int], stale_hint: str) -> list[dict[str, Any]]:
@@ -59,16 +61,52 @@ def _load_features(path: Path, corpus: dict, idx: list[int], stale_hint: str) ->
     return feats
 
 
+def _check_layers(folder: Path, layer_ids: tuple[int, ...], unrecorded: tuple[int, ...]) -> None:
+    """Refuse features in ``folder`` (or its single-file form) read from other target layers than ``layer_ids``.
+
+    The folder's ``layers.json`` names the layers its shards were extracted at; it is written before the first
+    shard. Features without it were written by builds that always read ``unrecorded`` (speculators' default).
+    """
+    import json
+
+    record, legacy = folder / FEATURE_LAYERS, folder.with_suffix(".pt")
+    has_features = legacy.exists() or any(folder.glob("part-*.pt"))
+    try:
+        got = tuple(json.loads(record.read_text())["aux_layer_ids"]) if record.exists() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{record}: not a layer record of this build; delete the folder to extract again") from None
+    if got is None and has_features:
+        got = tuple(unrecorded)
+    if got is not None and tuple(got) != tuple(layer_ids):
+        raise ValueError(
+            f"{folder}: its features were read from target layers {list(got)}, the head asks for {list(layer_ids)}; "
+            "use another --work folder (or delete this one) to extract them again"
+        )
+    if folder.exists() or not legacy.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(record, json.dumps({"aux_layer_ids": list(layer_ids)}) + "\n")
+
+
 def _cached_features(
-    folder: Path, corpus: dict, idx: list[int], model: Any, layer_ids: tuple[int, ...], desc: str, progress: bool
+    folder: Path,
+    corpus: dict,
+    idx: list[int],
+    model: Any,
+    layer_ids: tuple[int, ...],
+    desc: str,
+    progress: bool,
+    unrecorded: tuple[int, ...] | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """The features of corpus texts ``idx`` and how many of them were extracted now (the rest were read).
 
     ``folder`` holds them in shards of :data:`SHARD_TEXTS` texts (``part-00000.pt``, ...), each saved as soon as it
     is extracted, so an interrupted build resumes at the next shard; all are read back memory-mapped, so the build
     holds one shard in memory rather than every text's features. A single ``<folder>.pt`` file, as builds before the
-    shards wrote, is read instead where there is no folder.
+    shards wrote, is read instead where there is no folder. Features read from other target layers than
+    ``layer_ids`` are refused (see :func:`_check_layers`; ``unrecorded``, default ``layer_ids``: the layers of
+    features written before builds recorded them).
     """
+    _check_layers(folder, layer_ids, layer_ids if unrecorded is None else unrecorded)
     legacy = folder.with_suffix(".pt")
     if legacy.exists() and not folder.exists():
         return _load_features(legacy, corpus, idx, "delete it"), 0
@@ -169,8 +207,9 @@ def build_eagle3(
         target.config, draft_vocab_size, layer_ids, verifier="HuggingFaceTB/SmolLM2-135M-Instruct"
     )
     ids = cfg.aux_layer_ids
+    default_ids = Eagle3Config.for_target(target.config, draft_vocab_size).aux_layer_ids  # what older builds read
     feats, extracted = _cached_features(
-        work / "features-fp32", corpus, fit + val + held, target, ids, "features fp32", progress
+        work / "features-fp32", corpus, fit + val + held, target, ids, "features fp32", progress, default_ids
     )
     f_fit, f_val, f_held = feats[: len(fit)], feats[len(fit) : len(fit) + len(val)], feats[len(fit) + len(val) :]
     feature_minutes: float | None = round((time.time() - t0) / 60, 1)
@@ -209,7 +248,7 @@ def build_eagle3(
             continue
         quant = load_model("smollm2", comp, device)
         fq, _ = _cached_features(
-            work / f"features-{comp}-heldout", corpus, held, quant, ids, f"features {comp}", progress
+            work / f"features-{comp}-heldout", corpus, held, quant, ids, f"features {comp}", progress, default_ids
         )
         held_agreement[comp] = agreement(head, embed, fq)
         plain_agreement[comp] = agreement(head, embed, fq, copy=False)
