@@ -879,6 +879,11 @@ def test_a_features_cache_read_from_other_target_layers_is_refused(tmp_path):
     (folder / "layers.json").write_text("[0, 1, 2]")
     with pytest.raises(ValueError, match="layers.json: not a layer record of this build"):
         _cached_features(folder, {"ids": ids}, [], None, LAYERS, "x", False)
+    (folder / "layers.json").unlink()
+    (folder / "layers.json").mkdir()  # not a regular file: named, left alone
+    with pytest.raises(ValueError, match="layers.json: not a regular file"):
+        _cached_features(folder, {"ids": ids}, [], None, LAYERS, "x", False)
+    assert (folder / "layers.json").is_dir()
 
 
 def test_a_features_cache_of_another_corpus_is_refused(tmp_path, monkeypatch):

@@ -512,6 +512,7 @@ def train_head(
                 f"not: {exc}); resume with the settings it was started with, or use another work folder"
             ) from None
         state = ck["state"]
+        state["aux_layer_ids"] = layers  # recorded from now on in a checkpoint from before the record
     rng = np.random.default_rng(seed + int(state["epoch"]))
     budget = minutes * 60.0
     bar = tqdm(total=int(budget), desc="eagle3 train (s)", disable=not progress, file=sys.stderr, unit="s")

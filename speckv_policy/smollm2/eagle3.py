@@ -71,6 +71,8 @@ def _check_layers(folder: Path, layer_ids: tuple[int, ...], unrecorded: tuple[in
 
     record, legacy = folder / FEATURE_LAYERS, folder.with_suffix(".pt")
     has_features = legacy.exists() or any(folder.glob("part-*.pt"))
+    if record.exists() and not record.is_file():
+        raise ValueError(f"{record}: not a regular file; delete it or use another --work folder")
     try:
         got = tuple(json.loads(record.read_text())["aux_layer_ids"]) if record.exists() else None
     except (OSError, ValueError, KeyError, TypeError):
@@ -82,7 +84,7 @@ def _check_layers(folder: Path, layer_ids: tuple[int, ...], unrecorded: tuple[in
             f"{folder}: its features were read from target layers {list(got)}, the head asks for {list(layer_ids)}; "
             "use another --work folder (or delete this one) to extract them again"
         )
-    if folder.exists() or not legacy.exists():
+    if not record.exists() and (folder.exists() or not legacy.exists()):
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(record, json.dumps({"aux_layer_ids": list(layer_ids)}) + "\n")
 
