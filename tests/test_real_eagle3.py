@@ -92,6 +92,7 @@ def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path,
     from speckv_policy.hf import load_eagle3
     from speckv_policy.prompts import Prompt
     from speckv_policy.smollm2 import eagle3 as build
+    from speckv_policy.smollm2 import models
     from speckv_policy.smollm2.distill import generate_corpus
     from speckv_policy.smollm2.eagle3 import build_eagle3
 
@@ -106,6 +107,7 @@ def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path,
     kw = {"minutes": 0.05, "draft_vocab_size": 256, "compressions": ("fp32", "nf4"), "progress": False}
     meta = build_eagle3(corpus, tmp_path / "head", tmp_path / "work", **kw)
     assert set(meta["heldout_agreement"]) == set(meta["heldout_agreement_without_copy"]) == {"fp32", "nf4"}
+    assert meta["aux_layer_ids"] == [2, 15, 27]
     assert meta["copy_fit_texts"] == 1 and meta["texts"] == {"fit": 2, "validation": 1, "heldout": 1}
     head = load_eagle3(tmp_path / "head")
     assert head.copy_gate() == meta["copy"] and len(meta["copy"]["a"]) == 8
@@ -126,5 +128,11 @@ def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path,
     # other target layers (speckv-distill eagle3 --layers): not from this work folder's features, in one of its own
     with pytest.raises(ValueError, match=r"read from target layers \[2, 15, 27\], the head asks for \[2, 15, 29\]"):
         build_eagle3(corpus, tmp_path / "top", tmp_path / "work", **kw, layer_ids=(2, 15, 29))
+    # layers the target does not have: refused from its config, before its weights load
+    with monkeypatch.context() as m:
+        m.setattr(models, "load_model", lambda *a, **k: pytest.fail("the target loaded for a head it cannot have"))
+        with pytest.raises(ValueError, match=r"increasing layer indices in 0\.\.29"):
+            build_eagle3(corpus, tmp_path / "deep", tmp_path / "work-deep", **kw, layer_ids=(2, 15, 30))
+    assert not (tmp_path / "deep").exists() and not (tmp_path / "work-deep" / "features-fp32").exists()
     top = build_eagle3(corpus, tmp_path / "top", tmp_path / "work-top", **kw, layer_ids=(2, 15, 29))
     assert top["aux_layer_ids"] == [2, 15, 29] and load_eagle3(tmp_path / "top").eagle.aux_layer_ids == (2, 15, 29)

@@ -189,6 +189,9 @@ def build_eagle3(
     features stay in ``work`` either way. ``train_precision``, ``weight_decay``, ``feature_noise`` and
     ``train_lm_head``: :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision`` and the rest.
     """
+    from transformers import AutoConfig
+
+    from .gguf import smollm2_safetensors
     from .models import load_model
 
     work = Path(work)
@@ -204,12 +207,14 @@ def build_eagle3(
             f"and other training prompts' greedy answers (got {len(val)})"
         )
     t0 = time.time()
-    target = load_model("smollm2", "fp32", device)
+    # the target's shape from its config alone: a head it cannot have (layers out of range) is refused before it loads
+    target_config = AutoConfig.from_pretrained(smollm2_safetensors())
     cfg = Eagle3Config.for_target(
-        target.config, draft_vocab_size, layer_ids, verifier="HuggingFaceTB/SmolLM2-135M-Instruct"
+        target_config, draft_vocab_size, layer_ids, verifier="HuggingFaceTB/SmolLM2-135M-Instruct"
     )
     ids = cfg.aux_layer_ids
-    default_ids = Eagle3Config.for_target(target.config, draft_vocab_size).aux_layer_ids  # what older builds read
+    default_ids = Eagle3Config.for_target(target_config, draft_vocab_size).aux_layer_ids  # what older builds read
+    target = load_model("smollm2", "fp32", device)
     feats, extracted = _cached_features(
         work / "features-fp32", corpus, fit + val + held, target, ids, "features fp32", progress, default_ids
     )
