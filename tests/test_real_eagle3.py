@@ -107,7 +107,7 @@ def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path,
     kw = {"minutes": 0.05, "draft_vocab_size": 256, "compressions": ("fp32", "nf4"), "progress": False}
     meta = build_eagle3(corpus, tmp_path / "head", tmp_path / "work", **kw)
     assert set(meta["heldout_agreement"]) == set(meta["heldout_agreement_without_copy"]) == {"fp32", "nf4"}
-    assert meta["ttt_rows"] == "kept" and meta["aux_layer_ids"] == [2, 15, 27]
+    assert meta["aux_layer_ids"] == [2, 15, 27]
     assert meta["copy_fit_texts"] == 1 and meta["texts"] == {"fit": 2, "validation": 1, "heldout": 1}
     head = load_eagle3(tmp_path / "head")
     assert head.copy_gate() == meta["copy"] and len(meta["copy"]["a"]) == 8

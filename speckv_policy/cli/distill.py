@@ -245,13 +245,6 @@ def _main(argv: list[str] | None = None) -> int:
         "(default: speculators' 2, L/2, L-3; 2,15,27 for SmolLM2)",
     )
     h.add_argument("--ttt-steps", type=int_at_least(1), default=2, help="training-time-test depth (default 2)")
-    h.add_argument(
-        "--ttt-rows",
-        choices=("kept", "all"),
-        default="kept",
-        help="rows a later training-time-test step is scored on: kept (where every earlier step matched the "
-        "target, as a draft chain survives; default) or all (every answer position, as EAGLE-3's own trainer does)",
-    )
     h.add_argument("--lr", type=float_in(0.0, 10.0, low_open=True), default=2e-3, help="learning rate (default 2e-3)")
     h.add_argument(
         "--weight-decay", type=float_in(0.0, 10.0), default=0.0, help="AdamW's decoupled weight decay (default 0)"
@@ -421,7 +414,6 @@ def _main(argv: list[str] | None = None) -> int:
                 weight_decay=args.weight_decay,
                 feature_noise=args.feature_noise,
                 train_lm_head=not args.freeze_lm_head,
-                score_all_rows=args.ttt_rows == "all",
             )
         except ValueError as exc:
             raise DistillError(str(exc)) from None

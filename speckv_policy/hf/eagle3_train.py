@@ -231,14 +231,13 @@ def _chain_mask(width: int, step: int, device: torch.device | str = "cpu") -> to
 
 
 def ttt_forward(
-    head: Eagle3Head, embed: torch.Tensor, batch: dict[str, torch.Tensor], steps: int, *, score_all_rows: bool = False
+    head: Eagle3Head, embed: torch.Tensor, batch: dict[str, torch.Tensor], steps: int
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Training-time-test loss of a batch (summed over steps); per step (correct, counted) first-token hits.
 
     Runs where the head's weights are (``embed`` must be there too); ``batch`` may be on the CPU. A later step
     scores only the rows whose earlier steps all matched the target's greedy token (a draft chain that survives
-    verification), unless ``score_all_rows``: then every answer position at every step, as EAGLE-3's own trainer
-    does. The hits counted are the surviving chains' either way.
+    verification); scoring every row, as EAGLE-3's own trainer does, measured no better (docs/design.md).
     """
     dev = head.device
     batch = {k: v.to(dev) for k, v in batch.items()}
@@ -268,15 +267,13 @@ def ttt_forward(
         slot = batch["top_slot"][:, pos_c]  # [b, width, K]
         p = batch["top_p"][:, pos_c] * (slot >= 0)
         greedy = batch["greedy"][:, pos_c]
-        answer = inside[None] & (pos[None] < length[:, None]) & (greedy != -1)
-        answer &= batch["top_slot"][:, pos_c, 0] != -1  # an answer position (a target distribution is there)
-        valid = answer & alive
-        scored = answer if score_all_rows else valid
+        valid = inside[None] & (pos[None] < length[:, None]) & (greedy != -1) & alive
+        valid &= batch["top_slot"][:, pos_c, 0] != -1  # an answer position (a target distribution is there)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
         ce = -(p * logq.gather(-1, slot.clamp_min(0))).sum(-1)
-        n, n_scored = int(valid.sum()), int(scored.sum())
-        if n_scored:
-            total = total + ce[scored].sum() / n_scored
+        n = int(valid.sum())
+        if n:
+            total = total + ce[valid].sum() / n
         pred = logq.argmax(-1)
         hit = (pred == greedy) & valid
         stats.append((int(hit.sum()), n))
@@ -457,7 +454,6 @@ def train_head(
     weight_decay: float = 0.0,
     feature_noise: float = 0.0,
     train_lm_head: bool = True,
-    score_all_rows: bool = False,
 ) -> dict[str, Any]:
     """Train ``head`` in place for ``minutes`` of wall clock (resuming ``checkpoint`` if it exists).
 
@@ -469,7 +465,7 @@ def train_head(
     target state's RMS to the fitted features (:func:`perturb_features`; the first TTT step's input only, as later
     steps read the head's own output; validation reads them clean). ``train_lm_head=False`` keeps ``lm_head`` as it
     is (:func:`init_head`: the target's own output rows), so the layer must learn to write in the target's output
-    space. ``score_all_rows``: :func:`ttt_forward`'s.
+    space.
 
     Returns what happened (steps, minutes, validation agreement history) and leaves the best checkpoint's
     weights in ``head``.
@@ -556,7 +552,7 @@ def train_head(
             if feature_noise > 0:
                 batch["aux"] = perturb_features(batch["aux"], len(head.eagle.aux_layer_ids), feature_noise, noise_rng)
             with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                loss, _ = ttt_forward(head, embed, batch, steps, score_all_rows=score_all_rows)
+                loss, _ = ttt_forward(head, embed, batch, steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
