@@ -125,12 +125,12 @@ def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path,
     none = build_eagle3(corpus, tmp_path / "plain", tmp_path / "work", **kw, copy_max_match=0)
     assert "copy" not in none and load_eagle3(tmp_path / "plain").copy_gate() is None
     assert none["heldout_agreement"] == none["heldout_agreement_without_copy"]
-    # other target layers (speckv-distill eagle3 --layers): not from this work folder's features, in one of its own
-    with pytest.raises(ValueError, match=r"read from target layers \[2, 15, 27\], the head asks for \[2, 15, 29\]"):
-        build_eagle3(corpus, tmp_path / "top", tmp_path / "work", **kw, layer_ids=(2, 15, 29))
-    # layers the target does not have: refused from its config, before its weights load
+    # other target layers (speckv-distill eagle3 --layers): not from this work folder's features, in one of its own;
+    # nor layers the target does not have: both refused before the target's weights load
     with monkeypatch.context() as m:
-        m.setattr(models, "load_model", lambda *a, **k: pytest.fail("the target loaded for a head it cannot have"))
+        m.setattr(models, "load_model", lambda *a, **k: pytest.fail("the target loaded for a head it cannot build"))
+        with pytest.raises(ValueError, match=r"read from target layers \[2, 15, 27\], the head asks for \[2, 15, 29\]"):
+            build_eagle3(corpus, tmp_path / "top", tmp_path / "work", **kw, layer_ids=(2, 15, 29))
         with pytest.raises(ValueError, match=r"increasing layer indices in 0\.\.29"):
             build_eagle3(corpus, tmp_path / "deep", tmp_path / "work-deep", **kw, layer_ids=(2, 15, 30))
     assert not (tmp_path / "deep").exists() and not (tmp_path / "work-deep" / "features-fp32").exists()

@@ -207,13 +207,16 @@ def build_eagle3(
             f"and other training prompts' greedy answers (got {len(val)})"
         )
     t0 = time.time()
-    # the target's shape from its config alone: a head it cannot have (layers out of range) is refused before it loads
+    # the target's shape from its config alone: a head it cannot have (layers out of range), or work-folder features
+    # read at other layers, are refused before the target loads
     target_config = AutoConfig.from_pretrained(smollm2_safetensors())
     cfg = Eagle3Config.for_target(
         target_config, draft_vocab_size, layer_ids, verifier="HuggingFaceTB/SmolLM2-135M-Instruct"
     )
     ids = cfg.aux_layer_ids
     default_ids = Eagle3Config.for_target(target_config, draft_vocab_size).aux_layer_ids  # what older builds read
+    for comp in ("fp32", *(c for c in compressions if c != "fp32")):
+        _check_layers(work / ("features-fp32" if comp == "fp32" else f"features-{comp}-heldout"), ids, default_ids)
     target = load_model("smollm2", "fp32", device)
     feats, extracted = _cached_features(
         work / "features-fp32", corpus, fit + val + held, target, ids, "features fp32", progress, default_ids
