@@ -215,8 +215,8 @@ def build_eagle3(
     )
     ids = cfg.aux_layer_ids
     default_ids = Eagle3Config.for_target(target_config, draft_vocab_size).aux_layer_ids  # what older builds read
-    for comp in ("fp32", *(c for c in compressions if c != "fp32")):
-        _check_layers(work / ("features-fp32" if comp == "fp32" else f"features-{comp}-heldout"), ids, default_ids)
+    for name in ("fp32", *(f"{c}-heldout" for c in compressions if c != "fp32")):  # the folders used below
+        _check_layers(work / f"features-{name}", ids, default_ids)
     target = load_model("smollm2", "fp32", device)
     feats, extracted = _cached_features(
         work / "features-fp32", corpus, fit + val + held, target, ids, "features fp32", progress, default_ids
