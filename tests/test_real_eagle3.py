@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,10 @@ def test_the_build_fits_the_copy_gate_and_measures_with_and_without_it(tmp_path,
             build_eagle3(corpus, tmp_path / "top", tmp_path / "work", **kw, layer_ids=(2, 15, 29))
         with pytest.raises(ValueError, match=r"increasing layer indices in 0\.\.29"):
             build_eagle3(corpus, tmp_path / "deep", tmp_path / "work-deep", **kw, layer_ids=(2, 15, 30))
+        # a quantized target's held-out features at other layers: refused up front, not after the training budget
+        shutil.copytree(tmp_path / "work" / "features-nf4-heldout", tmp_path / "work-mixed" / "features-nf4-heldout")
+        with pytest.raises(ValueError, match=r"features-nf4-heldout.*\[2, 15, 27\], the head asks for \[2, 15, 29\]"):
+            build_eagle3(corpus, tmp_path / "mixed", tmp_path / "work-mixed", **kw, layer_ids=(2, 15, 29))
     assert not (tmp_path / "deep").exists() and not (tmp_path / "work-deep" / "features-fp32").exists()
     top = build_eagle3(corpus, tmp_path / "top", tmp_path / "work-top", **kw, layer_ids=(2, 15, 29))
     assert top["aux_layer_ids"] == [2, 15, 29] and load_eagle3(tmp_path / "top").eagle.aux_layer_ids == (2, 15, 29)
