@@ -366,27 +366,6 @@ def test_padding_a_training_batch_wider_changes_neither_its_loss_nor_its_hits():
         assert torch.allclose(loss_p, loss, rtol=1e-5, atol=1e-6)
 
 
-def test_the_greedy_weight_adds_the_greedy_tokens_cross_entropy_to_the_loss():
-    """``greedy_weight`` w adds w times the mean cross-entropy of the target's greedy token over the scored rows."""
-    from speckv_policy.hf.eagle3_train import _collate, _slots  # noqa: PLC2701 - the loop's own batch format
-
-    target, cfg, feats = _random_texts(4, 15, 4)
-    head = init_head(target, cfg, torch.arange(64))
-    emb = target.get_input_embeddings().weight.detach()
-    batch = _collate(feats, _slots(head))
-    with torch.no_grad():
-        base, stats = ttt_forward(head, emb, batch, 1)
-        weighted, stats_w = ttt_forward(head, emb, batch, 1, greedy_weight=0.5)
-        rows = torch.arange(batch["ids"].shape[1])
-        nxt = torch.zeros_like(batch["ids"])
-        nxt[:, :-1] = batch["ids"][:, 1:]
-        out, _, _ = head.layer(F.embedding(nxt, emb), head.fuse(batch["aux"]), head.rope(rows + 1))
-        logq = torch.log_softmax(head.logits(out).float(), -1)
-    ce = [-logq[b, j, batch["greedy"][b, j + 1]] for b in range(4) for j in range(14) if batch["greedy"][b, j + 1] >= 0]
-    assert stats_w == stats and len(ce) == stats[0][1] == 4 * (15 - 4 + 1)
-    assert torch.allclose(weighted - base, 0.5 * torch.stack(ce).mean(), rtol=1e-4)
-
-
 def test_training_resumes_from_its_checkpoint(tmp_path):
     target, cfg, feats = _random_texts(8, 16, 3)
     emb = target.get_input_embeddings().weight.detach()

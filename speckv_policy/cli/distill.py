@@ -256,12 +256,6 @@ def _main(argv: list[str] | None = None) -> int:
         help="Gaussian noise added to the fitted target states, times each state's RMS (default 0)",
     )
     h.add_argument(
-        "--greedy-weight",
-        type=float_in(0.0, 10.0),
-        default=0.0,
-        help="add this many times the cross-entropy of the target's greedy token to the loss (default 0)",
-    )
-    h.add_argument(
         "--freeze-lm-head",
         action="store_true",
         help="keep the head's output rows the target's own (default: train them)",
@@ -420,7 +414,6 @@ def _main(argv: list[str] | None = None) -> int:
                 weight_decay=args.weight_decay,
                 feature_noise=args.feature_noise,
                 train_lm_head=not args.freeze_lm_head,
-                greedy_weight=args.greedy_weight,
             )
         except ValueError as exc:
             raise DistillError(str(exc)) from None

@@ -231,15 +231,13 @@ def _chain_mask(width: int, step: int, device: torch.device | str = "cpu") -> to
 
 
 def ttt_forward(
-    head: Eagle3Head, embed: torch.Tensor, batch: dict[str, torch.Tensor], steps: int, greedy_weight: float = 0.0
+    head: Eagle3Head, embed: torch.Tensor, batch: dict[str, torch.Tensor], steps: int
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Training-time-test loss of a batch (summed over steps); per step (correct, counted) first-token hits.
 
     Runs where the head's weights are (``embed`` must be there too); ``batch`` may be on the CPU. A later step
     scores only the rows whose earlier steps all matched the target's greedy token (a draft chain that survives
     verification); scoring every row, as EAGLE-3's own trainer does, measured no better (docs/design.md).
-    ``greedy_weight`` adds that many times the cross-entropy of the target's greedy token to each scored row's loss
-    (0: the target's top-k distribution alone).
     """
     dev = head.device
     batch = {k: v.to(dev) for k, v in batch.items()}
@@ -273,8 +271,6 @@ def ttt_forward(
         valid &= batch["top_slot"][:, pos_c, 0] != -1  # an answer position (a target distribution is there)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
         ce = -(p * logq.gather(-1, slot.clamp_min(0))).sum(-1)
-        if greedy_weight:
-            ce = ce - greedy_weight * logq.gather(-1, greedy.clamp_min(0)[..., None])[..., 0]
         n = int(valid.sum())
         if n:
             total = total + ce[valid].sum() / n
@@ -458,7 +454,6 @@ def train_head(
     weight_decay: float = 0.0,
     feature_noise: float = 0.0,
     train_lm_head: bool = True,
-    greedy_weight: float = 0.0,
 ) -> dict[str, Any]:
     """Train ``head`` in place for ``minutes`` of wall clock (resuming ``checkpoint`` if it exists).
 
@@ -470,7 +465,7 @@ def train_head(
     target state's RMS to the fitted features (:func:`perturb_features`; the first TTT step's input only, as later
     steps read the head's own output; validation reads them clean). ``train_lm_head=False`` keeps ``lm_head`` as it
     is (:func:`init_head`: the target's own output rows), so the layer must learn to write in the target's output
-    space. ``greedy_weight``: :func:`ttt_forward`'s.
+    space.
 
     Returns what happened (steps, minutes, validation agreement history) and leaves the best checkpoint's
     weights in ``head``.
@@ -557,7 +552,7 @@ def train_head(
             if feature_noise > 0:
                 batch["aux"] = perturb_features(batch["aux"], len(head.eagle.aux_layer_ids), feature_noise, noise_rng)
             with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                loss, _ = ttt_forward(head, embed, batch, steps, greedy_weight)
+                loss, _ = ttt_forward(head, embed, batch, steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

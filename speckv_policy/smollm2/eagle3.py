@@ -174,7 +174,6 @@ def build_eagle3(
     weight_decay: float = 0.0,
     feature_noise: float = 0.0,
     train_lm_head: bool = True,
-    greedy_weight: float = 0.0,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the EAGLE-3 head for SmolLM2 and write its speculators folder to ``out``.
@@ -187,9 +186,8 @@ def build_eagle3(
     checkpoint-selection answers, and held-out agreement is measured with it and without. ``work`` keeps the
     features (in shards, read memory-mapped: see :func:`_cached_features`) and the training checkpoint, so an
     interrupted build resumes. ``device`` runs the target and the training there (``"cuda"`` on a GPU); the
-    features stay in ``work`` either way. ``train_precision``, ``weight_decay``, ``feature_noise``,
-    ``train_lm_head`` and ``greedy_weight``: :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision`` and
-    the rest.
+    features stay in ``work`` either way. ``train_precision``, ``weight_decay``, ``feature_noise`` and
+    ``train_lm_head``: :func:`~speckv_policy.hf.eagle3_train.train_head`'s ``precision`` and the rest.
     """
     from transformers import AutoConfig
 
@@ -250,7 +248,6 @@ def build_eagle3(
         weight_decay=weight_decay,
         feature_noise=feature_noise,
         train_lm_head=train_lm_head,
-        greedy_weight=greedy_weight,
     )
     copy_gate = fit_head_copy_gate(head, embed, f_val, copy_max_match) if copy_max_match > 0 else None
     held_agreement: dict[str, dict[str, float]] = {"fp32": agreement(head, embed, f_held)}
@@ -278,7 +275,6 @@ def build_eagle3(
         "weight_decay": weight_decay,
         "feature_noise": feature_noise,
         "train_lm_head": train_lm_head,
-        "greedy_weight": greedy_weight,
         "tokens_per_batch": tokens_per_batch,
         "fit_prefix": fit_prefix,
         "texts": {"fit": len(fit), "validation": len(val), "heldout": len(held)},
